@@ -29,9 +29,7 @@ def user_errors(fn):
             _fail(str(exc))
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
-                _fail(
-                    f"the disk is full ({exc.filename or 'while writing'}); free space and re-run to resume"
-                )
+                _fail(f"the disk is full ({exc.filename or 'while writing'}); free space and re-run to resume")
             _fail(f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
         except KeyboardInterrupt:
             _fail("interrupted; re-run the same command to resume")
@@ -43,18 +41,12 @@ def user_errors(fn):
 @click.argument("source", type=click.Path(path_type=str))
 @click.argument("output", type=click.Path(path_type=str))
 @click.option("--tp", type=int, required=True, help="Tensor-parallel degree.")
-@click.option(
-    "--cp", type=int, default=None, help="Context-parallel degree (Ulysses unless --ring is given)."
-)
+@click.option("--cp", type=int, default=None, help="Context-parallel degree (Ulysses unless --ring is given).")
 @click.option("--ring", type=int, default=None, help="Ring-attention degree.")
 @click.option("--ulysses", type=int, default=None, help="Ulysses degree.")
 @click.option("--order", default=None, help="Mesh axis order, default tp,ring,ulysses (last varies fastest).")
-@click.option(
-    "--plan", "plan", default=None, help="Built-in plan name or JSON plan file (default: from config.json)."
-)
-@click.option(
-    "--dtype", default=None, help="Cast floating tensors: bf16, fp16 or fp32 (default: keep each dtype)."
-)
+@click.option("--plan", "plan", default=None, help="Built-in plan name or JSON plan file (default: from config.json).")
+@click.option("--dtype", default=None, help="Cast floating tensors: bf16, fp16 or fp32 (default: keep each dtype).")
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @user_errors

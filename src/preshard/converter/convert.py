@@ -107,9 +107,7 @@ def convert_checkpoint(
     writers = {}
     try:
         writers = _open_writers(work, mesh.tp, done)
-        records = _write_tensors(
-            src, resolved, mesh.tp, cast, writers, work, done, progress, on_tensor_written
-        )
+        records = _write_tensors(src, resolved, mesh.tp, cast, writers, work, done, progress, on_tensor_written)
         checksums = {r: w.close() for r, w in writers.items()}
     finally:
         for w in writers.values():
@@ -298,9 +296,7 @@ def _manifest(
     from preshard import __version__
 
     files = [
-        FileRecord(
-            name=data_file_name(r), tp_rank=r, size=(work / data_file_name(r)).stat().st_size, xxh3_128=c
-        )
+        FileRecord(name=data_file_name(r), tp_rank=r, size=(work / data_file_name(r)).stat().st_size, xxh3_128=c)
         for r, c in sorted(checksums.items())
     ]
     source = SourceRecord(
@@ -322,9 +318,7 @@ def _manifest(
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     )
     manifest.ranks = [
-        RankRecord(
-            rank=rank, coords=mesh.coords(rank), files=manifest.files_for_tp_rank(mesh.coords(rank)["tp"])
-        )
+        RankRecord(rank=rank, coords=mesh.coords(rank), files=manifest.files_for_tp_rank(mesh.coords(rank)["tp"]))
         for rank in range(mesh.world_size)
     ]
     return manifest

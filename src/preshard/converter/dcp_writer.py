@@ -124,9 +124,7 @@ def _data_record_offset(path: Path, blob_offset: int, blob_length: int) -> int:
     with open(path, "rb") as f:
         window = _Window(f, blob_offset, blob_length)
         with zipfile.ZipFile(window) as archive:
-            infos = [
-                i for i in archive.infolist() if "/data/" in i.filename and not i.filename.endswith(".pkl")
-            ]
+            infos = [i for i in archive.infolist() if "/data/" in i.filename and not i.filename.endswith(".pkl")]
             if len(infos) != 1 or infos[0].compress_type != zipfile.ZIP_STORED:
                 raise RuntimeError("torch.save wrote an unexpected record layout")
             window.seek(infos[0].header_offset)
@@ -142,9 +140,7 @@ def dcp_metadata(tensors: dict[str, TensorRecord]) -> Metadata:
     for name, tensor in tensors.items():
         chunks = []
         for index, chunk in enumerate(tensor.chunks):
-            chunks.append(
-                ChunkStorageMetadata(offsets=torch.Size(chunk.offsets), sizes=torch.Size(chunk.sizes))
-            )
+            chunks.append(ChunkStorageMetadata(offsets=torch.Size(chunk.offsets), sizes=torch.Size(chunk.sizes)))
             key = MetadataIndex(fqn=name, offset=torch.Size(chunk.offsets), index=index)
             storage_data[key] = _StorageInfo(chunk.file, chunk.blob_offset, chunk.blob_length)
         state_dict_metadata[name] = TensorStorageMetadata(

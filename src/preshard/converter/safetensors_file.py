@@ -103,9 +103,7 @@ def read_header(path: Path) -> SafetensorsHeader:
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
-        raise PreshardError(
-            f"{where}: header is not valid JSON; the file is corrupt or not safetensors"
-        ) from None
+        raise PreshardError(f"{where}: header is not valid JSON; the file is corrupt or not safetensors") from None
     if not isinstance(header, dict):
         raise PreshardError(f"{where}: header is not a JSON object; the file is corrupt or not safetensors")
     metadata = header.pop("__metadata__", None) or {}
@@ -125,9 +123,7 @@ def read_header(path: Path) -> SafetensorsHeader:
             raise PreshardError(f"{where}: {start - position} bytes before tensor {name} belong to no tensor")
         position = end
     if position != size:
-        raise PreshardError(
-            f"{where}: {size - position} trailing bytes belong to no tensor; the file is corrupt"
-        )
+        raise PreshardError(f"{where}: {size - position} trailing bytes belong to no tensor; the file is corrupt")
     return SafetensorsHeader(path, size, data_start, tensors, metadata)
 
 

@@ -37,9 +37,7 @@ def iter_rank_chunks(
         )
     elif plan.shard_dim == 0:
         # Block-major, then rank: byte ranges come in file order.
-        chunks = sorted(
-            ((chunk, r) for r in range(tp) for chunk in plan.chunks(tp, r)), key=lambda item: item[0][0][0]
-        )
+        chunks = sorted(((chunk, r) for r in range(tp) for chunk in plan.chunks(tp, r)), key=lambda item: item[0][0][0])
         for (offsets, sizes), r in chunks:
             yield r, offsets, _cast(read_rows(fd, entry, offsets[0], sizes[0]), dtype)
     elif plan.shard_dim == 1:

@@ -43,16 +43,12 @@ class CheckpointSource:
 def open_source(path: str | Path) -> CheckpointSource:
     path = Path(path)
     if not path.exists():
-        raise PreshardError(
-            f"source {path} does not exist; pass a .safetensors file or a folder holding them"
-        )
+        raise PreshardError(f"source {path} does not exist; pass a .safetensors file or a folder holding them")
     if path.is_file():
         if path.name.endswith(".index.json"):
             return _from_index(path.parent, path)
         if not path.name.endswith(".safetensors"):
-            raise PreshardError(
-                f"source {path} is not a .safetensors file; pass a .safetensors file or a folder"
-            )
+            raise PreshardError(f"source {path} is not a .safetensors file; pass a .safetensors file or a folder")
         header = read_header(path)
         config_path = path.parent / "config.json"
         return _source("file", path, [header], config_path)
@@ -67,9 +63,7 @@ def open_source(path: str | Path) -> CheckpointSource:
         raise PreshardError(f"source {path} holds several index files ({names}); pass the one to use")
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise PreshardError(
-            f"source folder {path} holds no .safetensors file; point at the model's weights folder"
-        )
+        raise PreshardError(f"source folder {path} holds no .safetensors file; point at the model's weights folder")
     if len(files) > 1:
         raise PreshardError(
             f"source folder {path} holds {len(files)} .safetensors files but no *.safetensors.index.json; "
@@ -98,9 +92,7 @@ def _from_index(folder: Path, index_path: Path) -> CheckpointSource:
     for name, file_name in weight_map.items():
         entry = source.tensors.get(name)
         if entry is None or entry.path.name != file_name:
-            raise PreshardError(
-                f"{index_path.name} says {name} is in {file_name}, but that file does not hold it"
-            )
+            raise PreshardError(f"{index_path.name} says {name} is in {file_name}, but that file does not hold it")
     extra = sorted(set(source.tensors) - set(weight_map))
     if extra:
         raise PreshardError(
@@ -124,9 +116,7 @@ def _source(kind: str, path: Path, headers: list[SafetensorsHeader], config_path
         try:
             config = json.loads(config_path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError):
-            raise PreshardError(
-                f"{config_path.name} next to the weights is not valid JSON; fix or remove it"
-            ) from None
+            raise PreshardError(f"{config_path.name} next to the weights is not valid JSON; fix or remove it") from None
     return CheckpointSource(kind, path, headers, tensors, config, config_path if config is not None else None)
 
 

@@ -44,9 +44,7 @@ def read_manifest(checkpoint: str | Path) -> Manifest:
     try:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-        raise PreshardError(
-            f"{path} is not valid JSON ({type(exc).__name__}); the checkpoint is damaged"
-        ) from None
+        raise PreshardError(f"{path} is not valid JSON ({type(exc).__name__}); the checkpoint is damaged") from None
     return manifest_from_dict(data, str(path))
 
 

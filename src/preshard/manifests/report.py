@@ -74,8 +74,4 @@ def inspect_table(manifest: Manifest) -> str:
 
 
 def _ranges(ranks: list[int]) -> str:
-    return (
-        ",".join(map(str, ranks))
-        if len(ranks) <= 8
-        else f"{','.join(map(str, ranks[:8]))},... ({len(ranks)})"
-    )
+    return ",".join(map(str, ranks)) if len(ranks) <= 8 else f"{','.join(map(str, ranks[:8]))},... ({len(ranks)})"

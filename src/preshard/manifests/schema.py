@@ -93,9 +93,7 @@ class Manifest:
     dtype: str | None = None  # the --dtype cast applied to floating tensors, if any
     preshard_version: str = ""
     created: str = ""
-    checksums: dict[str, str] = field(
-        default_factory=lambda: {"files": FILE_CHECKSUM, "chunks": CHUNK_CHECKSUM}
-    )
+    checksums: dict[str, str] = field(default_factory=lambda: {"files": FILE_CHECKSUM, "chunks": CHUNK_CHECKSUM})
     format: str = MANIFEST_FORMAT
     version: int = MANIFEST_VERSION
 
@@ -106,8 +104,7 @@ class Manifest:
     def chunks_for_tp_rank(self, tp_rank: int) -> dict[str, list[ChunkRecord]]:
         """What one TP rank reads: its own slices plus every replicated tensor."""
         return {
-            name: [c for c in tensor.chunks if c.tp_rank in (None, tp_rank)]
-            for name, tensor in self.tensors.items()
+            name: [c for c in tensor.chunks if c.tp_rank in (None, tp_rank)] for name, tensor in self.tensors.items()
         }
 
     def files_for_tp_rank(self, tp_rank: int) -> list[str]:

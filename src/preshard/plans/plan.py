@@ -118,9 +118,7 @@ def plan_from_dict(data: Any, origin: str = "plan") -> Plan:
         divide = rule.get("divide", ["heads"])
         if not isinstance(divide, list) or not all(isinstance(d, str) for d in divide):
             raise bad(f"attention rule {rule['match']!r}: 'divide' must be a list of attribute names")
-        attention.append(
-            AttentionRule(rule["match"], tuple(divide), bool(rule.get("context_parallel", True)))
-        )
+        attention.append(AttentionRule(rule["match"], tuple(divide), bool(rule.get("context_parallel", True))))
     config_divisible = data.get("config_divisible", [])
     if not isinstance(config_divisible, list) or not all(isinstance(k, str) for k in config_divisible):
         raise bad("'config_divisible' must be a list of config keys")

@@ -23,9 +23,7 @@ class TensorPlan:
     dtype: str
 
     def chunks(self, tp: int, tp_rank: int) -> list[Chunk]:
-        return rank_chunks(
-            self.shape, self.shard_dim, list(self.blocks) if self.blocks else None, tp, tp_rank
-        )
+        return rank_chunks(self.shape, self.shard_dim, list(self.blocks) if self.blocks else None, tp, tp_rank)
 
     def local_shape(self, tp: int) -> tuple[int, ...]:
         return local_shape(self.shape, self.shard_dim, tp)
@@ -101,9 +99,7 @@ def _block_sizes(blocks: int | list[int] | None, rows: int, name: str, plan_name
         return (rows // blocks,) * blocks
     sizes = tuple(blocks or ())
     if sum(sizes) != rows:
-        raise PreshardError(
-            f"{plan_name}: packed blocks {list(sizes)} of {name} add up to {sum(sizes)}, not {rows}"
-        )
+        raise PreshardError(f"{plan_name}: packed blocks {list(sizes)} of {name} add up to {sum(sizes)}, not {rows}")
     return sizes
 
 
@@ -128,9 +124,7 @@ def valid_tp_degrees(resolved: Mapping[str, TensorPlan], plan: Plan, config: Map
     return [d for d in range(1, g + 1) if g % d == 0]
 
 
-def check_divisible(
-    resolved: Mapping[str, TensorPlan], tp: int, plan: Plan, config: Mapping[str, Any]
-) -> None:
+def check_divisible(resolved: Mapping[str, TensorPlan], tp: int, plan: Plan, config: Mapping[str, Any]) -> None:
     for what, size in _sharded_sizes(resolved, config, plan):
         if size % tp:
             valid = ", ".join(map(str, valid_tp_degrees(resolved, plan, config)))

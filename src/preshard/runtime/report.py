@@ -1,0 +1,49 @@
+"""What the runtime did to a model, attached to it as `model.preshard_report`.
+
+Output values alone cannot show that a hook is in place (a rank missing its CP hooks still computes
+the whole sequence and returns the right answer), so tests assert this description instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+REPORT_ATTRIBUTE = "preshard_report"
+
+
+@dataclass
+class LoadReport:
+    rank: int
+    world_size: int
+    mesh: dict[str, Any]
+    coords: dict[str, int]
+    groups: dict[str, list[int]]
+    device: str
+    backend: str
+    checkpoint: str
+    hooks: dict[str, list[str]] = field(default_factory=dict)
+    heads_divided: dict[str, list[str]] = field(default_factory=dict)
+    buffers_placed: list[str] = field(default_factory=list)
+    bytes_read: int = 0
+    chunks_read: int = 0
+    files_read: list[str] = field(default_factory=list)
+    verified: bool = False
+    read_seconds: float = 0.0
+    total_seconds: float = 0.0
+
+    def add_hook(self, module: str, description: str) -> None:
+        self.hooks.setdefault(module, []).append(description)
+
+    def modules_with(self, text: str) -> list[str]:
+        """Modules that carry a hook whose description contains `text`."""
+        return sorted(m for m, hooks in self.hooks.items() if any(text in h for h in hooks))
+
+    def summary(self) -> str:
+        from preshard.manifests.report import human_bytes
+
+        return (
+            f"rank {self.rank}/{self.world_size} {self.coords} on {self.device}: read {human_bytes(self.bytes_read)} "
+            f"from {len(self.files_read)} files in {self.read_seconds:.2f}s (load {self.total_seconds:.2f}s), "
+            f"{sum(len(h) for h in self.hooks.values())} hooks on {len(self.hooks)} modules"
+        )

@@ -1,0 +1,174 @@
+"""Run a function on N local ranks over real gloo process groups, for multi-rank tests.
+
+`run_ranks(fn, world_size, *args)` starts one "spawn" process per rank with the environment torchrun
+would give it, calls `fn(rank, world_size, *args)` there and returns the per-rank results in rank
+order. A rank that raises fails the call with that rank's traceback; a rank that hangs is killed
+at the timeout and named. No child outlives the call, whatever happens.
+
+`fn` must be a top-level function of an importable module (a test module is fine: the child puts
+the directory of `fn`'s module on sys.path before unpickling it). Inside `fn`, call `init_gloo()`
+to join the process group; the worker destroys it afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from multiprocessing import connection, get_context
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# After the first rank fails, wait this long for the others' reports before killing them: a second
+# traceback can help, but ranks blocked in a collective on the failed rank would never report.
+_GRACE_AFTER_FAILURE_S = 1.0
+
+
+class RankFailure(RuntimeError):
+    """One or more ranks raised; the message carries each failed rank's traceback."""
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (bind to port 0 and let the kernel choose)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_gloo(timeout_s: float = 60.0) -> None:
+    """Join the gloo process group described by the torchrun-style environment `run_ranks` sets."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    environ: dict[str, str],
+    extra_paths: list[str],
+    payload: bytes,
+    conn: connection.Connection,
+) -> None:
+    os.environ.update(environ)
+    for path in reversed(extra_paths):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    torch.set_num_threads(1)
+    try:
+        fn, args = pickle.loads(payload)
+        message: tuple[str, Any] = ("ok", fn(rank, world_size, *args))
+    except BaseException:
+        message = ("error", traceback.format_exc())
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                message = ("error", traceback.format_exc())
+    # Plain pickle, not the multiprocessing pickler: tensors travel by value, not as shared memory
+    # that would vanish when this process exits.
+    try:
+        conn.send_bytes(pickle.dumps(message))
+    except Exception:
+        failure = ("error", f"rank {rank}'s return value could not be sent back:\n{traceback.format_exc()}")
+        conn.send_bytes(pickle.dumps(failure))
+    conn.close()
+
+
+def _module_dirs(fn: Callable[..., Any]) -> list[str]:
+    module = sys.modules.get(getattr(fn, "__module__", ""), None)
+    path = getattr(module, "__file__", None)
+    return [os.path.dirname(os.path.abspath(path))] if path else []
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Call `fn(rank, world_size, *args)` on `world_size` spawned processes; return results in rank order."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    name = getattr(fn, "__qualname__", repr(fn))
+    payload = pickle.dumps((fn, args))  # fails here, in the parent, if fn or args cannot be pickled
+    extra_paths = _module_dirs(fn) + [os.path.dirname(os.path.abspath(__file__))]
+    ctx = get_context("spawn")
+    port = free_port()
+
+    procs = []
+    readers: dict[connection.Connection, int] = {}
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    try:
+        for rank in range(world_size):
+            environ = {
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world_size),
+                "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": str(world_size),
+            }
+            environ.update({k: str(v) for k, v in (env or {}).items()})
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=_worker,
+                args=(rank, world_size, environ, extra_paths, payload, writer),
+                name=f"{name}-rank{rank}",
+                daemon=True,
+            )
+            proc.start()
+            writer.close()  # the child holds the only write end, so its death reads as EOF here
+            procs.append(proc)
+            readers[reader] = rank
+
+        deadline = time.monotonic() + timeout
+        while readers:
+            now = time.monotonic()
+            if now >= deadline:
+                break
+            for conn in connection.wait(list(readers), timeout=deadline - now):
+                rank = readers.pop(conn)
+                try:
+                    kind, value = pickle.loads(conn.recv_bytes())
+                except EOFError:
+                    procs[rank].join(5)
+                    kind = "error"
+                    value = f"rank {rank} exited with code {procs[rank].exitcode} without reporting a result"
+                conn.close()
+                if kind == "ok":
+                    results[rank] = value
+                else:
+                    errors[rank] = value
+            if errors:
+                deadline = min(deadline, time.monotonic() + _GRACE_AFTER_FAILURE_S)
+
+        if errors:
+            # In order of arrival: the first rank to fail is usually the cause, the rest its echo.
+            parts = [f"rank {r} of {world_size} failed in {name}:\n{tb}" for r, tb in errors.items()]
+            if readers:
+                parts.append(f"ranks {sorted(readers.values())} were still running and have been killed")
+            raise RankFailure("\n".join(parts))
+        if readers:
+            raise TimeoutError(
+                f"{name}: ranks {sorted(readers.values())} of {world_size} did not finish within "
+                f"{timeout:g} s and were killed (ranks {sorted(results)} finished)"
+            )
+        return [results[rank] for rank in range(world_size)]
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in procs:
+            proc.join(10)
+        for conn in readers:
+            conn.close()

@@ -1,0 +1,81 @@
+"""The multi-rank launcher works under pytest with spawn: results, failures, hangs, no orphans."""
+
+import multiprocessing
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from _multiproc import RankFailure, init_gloo, run_ranks
+
+
+def _all_reduce(rank: int, world_size: int, scale: float) -> dict:
+    init_gloo()
+    t = torch.tensor([float(rank + 1) * scale])
+    dist.all_reduce(t)
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "PRESHARD_TEST_FLAG")
+    return {
+        "sum": t.item(),
+        "env": {k: os.environ.get(k) for k in keys},
+        "threads": torch.get_num_threads(),
+        "pid": os.getpid(),
+    }
+
+
+def _raise_on_rank_1(rank: int, world_size: int) -> None:
+    init_gloo()
+    if rank == 1:
+        raise ValueError("boom from rank 1")
+    time.sleep(600)  # the launcher must not wait for rank 0 once rank 1 has failed
+
+
+def _hang_on_rank_1(rank: int, world_size: int, pid_dir: str) -> int:
+    with open(os.path.join(pid_dir, f"rank{rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    if rank == 1:
+        time.sleep(600)
+    return rank
+
+
+def _assert_gone(pids: list[int]) -> None:
+    assert multiprocessing.active_children() == []
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_all_reduce_on_two_ranks():
+    out = run_ranks(_all_reduce, 2, 2.0, env={"PRESHARD_TEST_FLAG": "on"})
+    assert [o["sum"] for o in out] == [6.0, 6.0]
+    for rank, o in enumerate(out):
+        assert o["env"] == {
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": "2",
+            "PRESHARD_TEST_FLAG": "on",
+        }
+        assert o["threads"] == 1
+    _assert_gone([o["pid"] for o in out])
+
+
+def test_a_failing_rank_surfaces_its_traceback():
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_raise_on_rank_1, 2, timeout=60)
+    message = str(info.value)
+    assert message.startswith("rank 1 of 2 failed in _raise_on_rank_1:")
+    assert "Traceback" in message and "ValueError: boom from rank 1" in message
+    assert "ranks [0] were still running" in message
+    assert time.monotonic() - start < 30
+    assert multiprocessing.active_children() == []
+
+
+def test_a_hanging_rank_is_killed_at_the_timeout(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"ranks \[1\] of 2 did not finish within 5 s"):
+        run_ranks(_hang_on_rank_1, 2, str(tmp_path), timeout=5)
+    assert time.monotonic() - start < 20
+    pids = [int((tmp_path / f"rank{r}.pid").read_text()) for r in range(2)]
+    _assert_gone(pids)
