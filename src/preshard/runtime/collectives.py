@@ -29,6 +29,8 @@ __all__ = [
 ]
 
 _MAX_SHAPE_DIMS = 15
+# torch >= 2.10 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
+_ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class CollectiveRuleViolation(RuntimeError):
@@ -108,7 +110,7 @@ def all_gather_cat(tensor: torch.Tensor, group: ProcessGroup | None, dim: int) -
     dim = dim % tensor.dim()
     moved = tensor.movedim(dim, 0).contiguous()
     out = moved.new_empty((len(ranks) * moved.shape[0], *moved.shape[1:]))
-    dist.all_gather_into_tensor(out, moved, group=group)
+    _ALL_GATHER_SINGLE(out, moved, group=group)
     return out.movedim(0, dim)
 
 

@@ -99,6 +99,10 @@ class ShardReader:
         self.pin = pin
         self.stats = ReadStats(files=manifest.files_for_tp_rank(tp_rank), verified=verify)
         check_files(checkpoint, manifest, self.stats.files)
+        if verify:  # the chunks must tile this rank's tensors, or part of a parameter would stay unset
+            from preshard.manifests.verify import check_rank_layout
+
+            check_rank_layout(manifest, tp_rank)
         self.fds: dict[str, int] = {}
 
     def __enter__(self) -> ShardReader:

@@ -29,6 +29,7 @@ class LoadReport:
     chunks_read: int = 0
     files_read: list[str] = field(default_factory=list)
     verified: bool = False
+    attention_rows: dict[str, int] = field(default_factory=dict)  # query rows each CP attention saw, last forward
     read_seconds: float = 0.0
     total_seconds: float = 0.0
 
