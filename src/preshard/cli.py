@@ -79,3 +79,41 @@ def inspect(checkpoint):
     from preshard.manifests.report import inspect_table
 
     click.echo(inspect_table(read_manifest(checkpoint)))
+
+
+@main.command(name="verify")
+@click.argument("checkpoint", type=click.Path(path_type=str))
+@click.option("--source", default=None, help="Also compare every tensor with this source checkpoint, bit for bit.")
+@click.option("--progress", is_flag=True, help="Show a progress bar.")
+@user_errors
+def verify_command(checkpoint, source, progress):
+    """Check a converted checkpoint: files, checksums, chunk coverage, .metadata, config (and the source).
+
+    Prints one line per problem and exits 1 if anything is wrong; exits 0 with a one-line summary if not.
+    """
+    from preshard.manifests.verify import verify_checkpoint
+
+    result = verify_checkpoint(checkpoint, source=source, progress=progress)
+    for line in result.report_lines():
+        click.echo(line)
+    click.echo(result.summary())
+    if not result.ok:
+        sys.exit(1)
+
+
+@main.command()
+@click.option("--tp", type=int, default=2, show_default=True, help="Tensor-parallel degree.")
+@click.option("--ring", type=int, default=1, show_default=True, help="Ring-attention degree.")
+@click.option("--ulysses", type=int, default=2, show_default=True, help="Ulysses degree.")
+@click.option("--seq-len", type=int, default=37, show_default=True, help="Rows of the packed sequence.")
+@click.option("--workdir", type=click.Path(path_type=str), default=None, help="Keep the files here (default: temp).")
+@user_errors
+def demo(tp, ring, ulysses, seq_len, workdir):
+    """Convert an embedded MiniMax-H3 example and run it sharded under torchrun on the CPU."""
+    from preshard.demo import run_demo
+
+    run_demo(tp=tp, ring=ring, ulysses=ulysses, seq_len=seq_len, workdir=workdir, echo=click.echo)
+
+
+if __name__ == "__main__":
+    main()
