@@ -9,12 +9,15 @@ or the previous complete one, never something that loads.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import datetime
+import errno
 import hashlib
 import json
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -262,6 +265,9 @@ def _write_tensors(
                     record.chunks.append(writer.write_chunk(chunk, offsets, tp_rank))
                     load[writer.tp_rank] += record.chunks[-1].data_length
                     bar.update(record.chunks[-1].data_length)
+                    # Drop the chunk before the slicer reads the next one: a loop variable would otherwise
+                    # keep the last chunk of this tensor alive while the next tensor is read.
+                    del chunk
                 records[entry.name] = record
                 for w in writers.values():
                     w.flush()
@@ -337,9 +343,30 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directories in one atomic step (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
 def _commit(work: Path, output: Path) -> None:
-    """Rename the finished folder into place; an existing output is moved aside first, then removed."""
-    if output.exists():
+    """Rename the finished folder into place. An existing output is swapped out atomically where the system
+    can (so a crash leaves the old or the new checkpoint at `output`, never neither), else moved aside first;
+    either way the old one is then removed."""
+    if output.exists() and _exchange(work, output):
+        shutil.rmtree(work)  # now the previous output; a crash before this is cleaned up by the next run
+    elif output.exists():
         retired = output.parent / f".{output.name}.replaced"
         if retired.exists():
             shutil.rmtree(retired)

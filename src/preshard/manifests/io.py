@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import types
@@ -10,8 +11,12 @@ import typing
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from preshard.errors import PreshardError
 from preshard.manifests.schema import MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION, Manifest
+from preshard.mesh import MeshSpec
+from preshard.plans.styles import Style
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -66,11 +71,16 @@ def manifest_from_dict(data: Any, origin: str = MANIFEST_NAME) -> Manifest:
     return manifest
 
 
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
 def _build(cls: type, data: Any, where: str) -> Any:
     """Construct dataclass `cls` from JSON data, type-checking every field."""
     if not isinstance(data, dict):
         raise PreshardError(f"manifest field {where} must be an object")
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     kwargs = {}
     for f in dataclasses.fields(cls):
         if f.name not in data:
@@ -119,18 +129,40 @@ def _check_consistency(m: Manifest, origin: str) -> None:
     for key in ("tp", "ring", "ulysses"):
         if not isinstance(m.mesh.get(key, 1), int) or m.mesh.get(key, 1) < 1:
             raise bad(f"mesh.{key} is not a whole number >= 1")
+    try:
+        MeshSpec.from_dict(m.mesh)
+    except (PreshardError, KeyError, TypeError, ValueError):
+        raise bad("mesh is not a valid tp/ring/ulysses mesh") from None
+    tp = m.mesh["tp"]
+    for what, dtype in [("dtype", m.dtype)] + [
+        (f"tensor {n}", d) for n, t in m.tensors.items() for d in (t.dtype, t.source_dtype)
+    ]:
+        if dtype is not None and not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise bad(f"{what} has unknown dtype {dtype!r}")
+    if m.config is not None and Path(m.config).name != m.config:
+        raise bad(f"config {m.config!r} is not a plain file name")
     files = {f.name for f in m.files}
     for f in m.files:
         if Path(f.name).name != f.name or f.name.startswith(".."):
             raise bad(f"data file name {f.name!r} is not a plain file name")
         if f.size < 0:
             raise bad(f"file {f.name} has a negative size")
+        if not 0 <= f.tp_rank < tp:
+            raise bad(f"file {f.name} belongs to tp rank {f.tp_rank}, outside tp={tp}")
     for name, tensor in m.tensors.items():
         if any(s < 0 for s in tensor.shape):
             raise bad(f"tensor {name} has a negative dimension")
+        if tensor.name != name:
+            raise bad(f"tensor {name} is recorded under the name {tensor.name!r}")
+        if tensor.style not in {s.value for s in Style}:
+            raise bad(f"tensor {name} has unknown style {tensor.style!r}")
+        if tensor.shard_dim is not None and not 0 <= tensor.shard_dim < len(tensor.shape):
+            raise bad(f"tensor {name} has shard dim {tensor.shard_dim}, which its shape {tensor.shape} lacks")
         for chunk in tensor.chunks:
             if chunk.file not in files:
                 raise bad(f"tensor {name} has a chunk in {chunk.file}, which the manifest does not list")
+            if chunk.tp_rank is not None and not 0 <= chunk.tp_rank < tp:
+                raise bad(f"tensor {name} has a chunk of tp rank {chunk.tp_rank}, outside tp={tp}")
             if len(chunk.offsets) != len(tensor.shape) or len(chunk.sizes) != len(tensor.shape):
                 raise bad(f"tensor {name} has a chunk whose rank differs from the tensor's")
             for o, s, dim in zip(chunk.offsets, chunk.sizes, tensor.shape):

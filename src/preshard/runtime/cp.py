@@ -186,6 +186,7 @@ def _gather_hook(state: CPState, name: str, spec: dict[str, Any]):
 def _reset_hook(state: CPState):
     def hook(module, args):
         state.seq_len = None
+        _ACTIVE_ATTENTION.set(None)  # in case an earlier forward raised inside an attention module
 
     return hook
 
