@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from preshard.converter.dcp_writer import RankFileWriter, write_dcp_metadata
 from preshard.converter.safetensors_file import dtype_from_name, dtype_name
 from preshard.converter.slicer import cast_dtype, iter_rank_chunks
-from preshard.converter.sources import CheckpointSource, hash_file, open_source
+from preshard.converter.sources import CheckpointSource, SourceReader, open_source
 from preshard.errors import PreshardError
 from preshard.manifests.io import write_manifest
 from preshard.manifests.schema import (
@@ -108,15 +108,18 @@ def convert_checkpoint(
     job = _job_key(src, chosen, mesh, cast)
     done = _resume_state(work, job)
     writers = {}
+    reader = SourceReader(src)
     try:
         writers = _open_writers(work, mesh.tp, done)
-        records = _write_tensors(src, resolved, mesh.tp, cast, writers, work, done, progress, on_tensor_written)
+        records = _write_tensors(src, resolved, mesh.tp, cast, reader, writers, work, done, progress, on_tensor_written)
         checksums = {r: w.close() for r, w in writers.items()}
+        source_hashes = {h.path.name: reader.file_hash(h.path) for h in src.files}
     finally:
+        reader.close()
         for w in writers.values():
             if not w.file.closed:
                 w.file.close()
-    manifest = _manifest(src, chosen, mesh, cast, records, work, checksums)
+    manifest = _manifest(src, chosen, mesh, cast, records, work, checksums, source_hashes)
     write_dcp_metadata(work, records)
     if src.config_path is not None:
         shutil.copyfile(src.config_path, work / CONFIG_NAME)
@@ -226,6 +229,7 @@ def _write_tensors(
     resolved: dict[str, TensorPlan],
     tp: int,
     cast: torch.dtype | None,
+    reader: SourceReader,
     writers: dict[int, RankFileWriter],
     work: Path,
     done: ResumeState,
@@ -246,7 +250,6 @@ def _write_tensors(
         desc="converting", disable=not progress,
     )  # fmt: skip
     bar.update(sum(out_bytes[n] for n in records))
-    fds = {h.path: os.open(h.path, os.O_RDONLY) for h in src.files}
     try:
         with open(work / JOURNAL_NAME, "a") as journal:
             for entry in entries:
@@ -260,7 +263,7 @@ def _write_tensors(
                     dtype=dtype_name(out_dtype), source_dtype=dtype_name(entry.dtype),
                 )  # fmt: skip
                 replica_rank = min(load, key=lambda r: (load[r], r))
-                for tp_rank, offsets, chunk in iter_rank_chunks(fds[entry.path], entry, plan, tp, out_dtype):
+                for tp_rank, offsets, chunk in iter_rank_chunks(reader, entry, plan, tp, out_dtype):
                     writer = writers[replica_rank if tp_rank is None else tp_rank]
                     record.chunks.append(writer.write_chunk(chunk, offsets, tp_rank))
                     load[writer.tp_rank] += record.chunks[-1].data_length
@@ -280,8 +283,6 @@ def _write_tensors(
                 if on_tensor_written is not None:
                     on_tensor_written(entry.name)
     finally:
-        for fd in fds.values():
-            os.close(fd)
         bar.close()
     return records
 
@@ -298,6 +299,7 @@ def _manifest(
     records: dict[str, TensorRecord],
     work: Path,
     checksums: dict[int, str],
+    source_hashes: dict[str, str],
 ) -> Manifest:
     from preshard import __version__
 
@@ -308,7 +310,7 @@ def _manifest(
     source = SourceRecord(
         kind=src.kind,
         path=str(src.path),
-        files=[SourceFileRecord(h.path.name, h.size, hash_file(h.path)) for h in src.files],
+        files=[SourceFileRecord(h.path.name, h.size, source_hashes[h.path.name]) for h in src.files],
         index=src.extra.get("index"),
     )
     manifest = Manifest(

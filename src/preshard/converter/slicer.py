@@ -12,7 +12,8 @@ from collections.abc import Iterator
 
 import torch
 
-from preshard.converter.safetensors_file import TensorEntry, read_rows
+from preshard.converter.safetensors_file import TensorEntry
+from preshard.converter.sources import SourceReader
 from preshard.plans.resolve import TensorPlan
 
 BAND_BYTES = 32 * 1024 * 1024
@@ -26,33 +27,33 @@ def cast_dtype(source: torch.dtype, requested: torch.dtype | None) -> torch.dtyp
 
 
 def iter_rank_chunks(
-    fd: int, entry: TensorEntry, plan: TensorPlan, tp: int, dtype: torch.dtype
+    reader: SourceReader, entry: TensorEntry, plan: TensorPlan, tp: int, dtype: torch.dtype
 ) -> Iterator[tuple[int | None, tuple[int, ...], torch.Tensor]]:
     """Yield `(tp_rank or None for replicated, global offsets, chunk)` for one tensor."""
     if plan.shard_dim is None:
         yield (
             None,
             (0,) * len(entry.shape),
-            _cast(read_rows(fd, entry, 0, entry.shape[0] if entry.shape else 1), dtype),
+            _cast(reader.rows(entry, 0, entry.shape[0] if entry.shape else 1), dtype),
         )
     elif plan.shard_dim == 0:
         # Block-major, then rank: byte ranges come in file order.
         chunks = sorted(((chunk, r) for r in range(tp) for chunk in plan.chunks(tp, r)), key=lambda item: item[0][0][0])
         for (offsets, sizes), r in chunks:
-            yield r, offsets, _cast(read_rows(fd, entry, offsets[0], sizes[0]), dtype)
+            yield r, offsets, _cast(reader.rows(entry, offsets[0], sizes[0]), dtype)
     elif plan.shard_dim == 1:
-        yield from _column_chunks(fd, entry, plan, tp, dtype)
+        yield from _column_chunks(reader, entry, plan, tp, dtype)
     else:
         raise ValueError(f"shard dim {plan.shard_dim} is not supported")
 
 
-def _column_chunks(fd: int, entry: TensorEntry, plan: TensorPlan, tp: int, dtype: torch.dtype):
+def _column_chunks(reader: SourceReader, entry: TensorEntry, plan: TensorPlan, tp: int, dtype: torch.dtype):
     rows, cols = entry.shape
     width = cols // tp
     outputs = [torch.empty((rows, width), dtype=dtype) for _ in range(tp)]
     band = max(1, BAND_BYTES // max(1, entry.row_bytes))
     for start in range(0, rows, band):
-        block = read_rows(fd, entry, start, min(band, rows - start))
+        block = reader.rows(entry, start, min(band, rows - start))
         for r, out in enumerate(outputs):
             out[start : start + block.shape[0]].copy_(block[:, r * width : (r + 1) * width])
         del block

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 import xxhash
 
-from preshard.converter.safetensors_file import SafetensorsHeader, TensorEntry, read_header
+from preshard.converter.safetensors_file import SafetensorsHeader, TensorEntry, read_header, read_rows
 from preshard.errors import PreshardError
 
 PREFERRED_INDEXES = ("diffusion_pytorch_model.safetensors.index.json", "model.safetensors.index.json")
@@ -126,3 +128,40 @@ def hash_file(path: Path) -> str:
         while block := f.read(HASH_BLOCK):
             digest.update(block)
     return digest.hexdigest()
+
+
+class SourceReader:
+    """Positional reads of a source's tensors that also hash each file on the way, when it is read front to back.
+
+    The converter reads every byte of the source once, in file order, so the provenance hashes cost no second
+    pass. A file read out of order (a resumed conversion skips what is done) is hashed separately at the end.
+    """
+
+    def __init__(self, source: CheckpointSource) -> None:
+        self.files = {h.path: h for h in source.files}
+        self.fds = {path: os.open(path, os.O_RDONLY) for path in self.files}
+        self.digests = {path: xxhash.xxh3_128() for path in self.files}
+        self.positions = {path: 0 for path in self.files}
+        for path, header in self.files.items():
+            self._feed(path, 0, os.pread(self.fds[path], header.header_bytes, 0))
+
+    def rows(self, entry: TensorEntry, row_start: int, rows: int) -> torch.Tensor:
+        tensor = read_rows(self.fds[entry.path], entry, row_start, rows)
+        self._feed(entry.path, entry.start + row_start * entry.row_bytes, tensor.reshape(-1).view(torch.uint8).numpy())
+        return tensor
+
+    def _feed(self, path: Path, offset: int, data) -> None:
+        if self.positions[path] == offset:
+            self.digests[path].update(data)
+            self.positions[path] += len(data)
+        else:
+            self.positions[path] = -1  # out of order: hash the file separately
+
+    def file_hash(self, path: Path) -> str:
+        if self.positions[path] == self.files[path].size:
+            return self.digests[path].hexdigest()
+        return hash_file(path)
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
