@@ -201,9 +201,13 @@ def _attention_enter(state: CPState, name: str):
 
 def _attention_exit(state: CPState, name: str):
     def hook(module, args, output):
+        # always_call: also runs when the forward raised (output None), so no routing outlives the module.
+        token = module.__dict__.pop("_preshard_cp_token", None)
+        if token is None:
+            return
         _, _, calls = _ACTIVE_ATTENTION.get()
-        _ACTIVE_ATTENTION.reset(module._preshard_cp_token)
-        if not calls:
+        _ACTIVE_ATTENTION.reset(token)
+        if output is not None and not calls:
             raise PreshardError(
                 f"context parallel: {name} did not call torch.nn.functional.scaled_dot_product_attention, so its "
                 "sequence could not be attended across ranks; use diffusers' native attention backend"
@@ -301,7 +305,7 @@ def attach_context_parallel(
         for name, module in modules.items():
             if name and matches(rule["match"], name):
                 module.register_forward_pre_hook(_attention_enter(state, name))
-                module.register_forward_hook(_attention_exit(state, name))
+                module.register_forward_hook(_attention_exit(state, name), always_call=True)
                 report.add_hook(name, description)
     report.attention_rows = state.attention_rows
     return state
