@@ -2,77 +2,25 @@
 
 from __future__ import annotations
 
-import os
-import queue as queue_mod
-import socket
-import time
-import traceback
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _multiproc import init_gloo, run_ranks
 
 from preshard.runtime import collectives as C
 
-# --- minimal launcher (own copy, so this file does not depend on a shared helper) -------------------
+
+def _gloo_entry(rank: int, world: int, fn: Callable[[int, int], Any]) -> Any:
+    init_gloo()
+    return fn(rank, world)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world: int, port: int, fn: Callable[[int, int], Any], results: Any) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-        results.put((rank, True, fn(rank, world)))
-    except BaseException:
-        results.put((rank, False, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def launch(fn: Callable[[int, int], Any], world: int, timeout: float = 90.0) -> list[Any]:
-    """Run `fn(rank, world)` on `world` gloo ranks; return the per-rank results or fail fast."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, results), daemon=True) for r in range(world)]
-    got: dict[int, tuple[bool, Any]] = {}
-    try:
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        while len(got) < world:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                pytest.fail(f"ranks {sorted(set(range(world)) - set(got))} did not finish within {timeout} s")
-            try:
-                rank, ok, payload = results.get(timeout=min(1.0, left))
-                got[rank] = (ok, payload)
-            except queue_mod.Empty:
-                crashed = [r for r, p in enumerate(procs) if r not in got and p.exitcode not in (None, 0)]
-                if crashed:
-                    pytest.fail(f"ranks {crashed} died (exit codes {[procs[r].exitcode for r in crashed]})")
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    errors = [f"rank {r}:\n{payload}" for r, (ok, payload) in sorted(got.items()) if not ok]
-    if errors:
-        pytest.fail("\n".join(errors))
-    return [got[r][1] for r in range(world)]
+def launch(fn: Callable[[int, int], Any], world: int, timeout: float = 120.0) -> list[Any]:
+    """Run `fn(rank, world)` on `world` gloo ranks (the shared launcher: free port, timeout, teardown)."""
+    return run_ranks(_gloo_entry, world, fn, timeout=timeout)
 
 
 # --- the checks, all run in one spawn of 4 ranks -------------------------------------------------
