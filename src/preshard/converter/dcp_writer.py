@@ -48,6 +48,7 @@ class RankFileWriter:
             self._rehash_prefix(resume_from)
             self.file.seek(resume_from)
         self.position = resume_from
+        self.error: OSError | None = None
 
     def _rehash_prefix(self, length: int) -> None:
         self.file.seek(0)
@@ -58,7 +59,11 @@ class RankFileWriter:
             remaining -= len(block)
 
     def write(self, data) -> int:
-        self.file.write(data)
+        try:
+            self.file.write(data)
+        except OSError as exc:  # torch.save's C++ writer would replace it with an opaque RuntimeError
+            self.error = exc
+            raise
         self.digest.update(data)
         self.position += len(data)
         return len(data)
@@ -71,7 +76,12 @@ class RankFileWriter:
         if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
             tensor = tensor.clone()
         blob_offset = self.position
-        torch.save(tensor, self)
+        try:
+            torch.save(tensor, self)
+        except RuntimeError:
+            if self.error is not None:  # e.g. ENOSPC: surface the OSError itself (the CLI names a full disk)
+                raise self.error from None
+            raise
         self.file.flush()
         blob_length = self.position - blob_offset
         data_offset = blob_offset + _data_record_offset(self.path, blob_offset, blob_length)

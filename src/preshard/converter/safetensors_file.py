@@ -102,7 +102,7 @@ def read_header(path: Path) -> SafetensorsHeader:
         raise PreshardError(f"cannot read {where}: {exc.strerror or exc}") from None
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         raise PreshardError(f"{where}: header is not valid JSON; the file is corrupt or not safetensors") from None
     if not isinstance(header, dict):
         raise PreshardError(f"{where}: header is not a JSON object; the file is corrupt or not safetensors")
@@ -131,7 +131,7 @@ def _entry(path: Path, name: str, info: object, data_start: int, data_size: int)
     where = f"{path.name}: tensor {name}"
     if not isinstance(info, dict):
         raise PreshardError(f"{where} has no dtype/shape/data_offsets entry")
-    dtype = DTYPES.get(info.get("dtype"))
+    dtype = DTYPES.get(info["dtype"]) if isinstance(info.get("dtype"), str) else None
     if dtype is None:
         raise PreshardError(f"{where} has unsupported dtype {info.get('dtype')!r}")
     shape = info.get("shape")

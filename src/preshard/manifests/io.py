@@ -130,10 +130,15 @@ def _check_consistency(m: Manifest, origin: str) -> None:
         if not isinstance(m.mesh.get(key, 1), int) or m.mesh.get(key, 1) < 1:
             raise bad(f"mesh.{key} is not a whole number >= 1")
     try:
-        MeshSpec.from_dict(m.mesh)
+        mesh = MeshSpec.from_dict(m.mesh)
     except (PreshardError, KeyError, TypeError, ValueError):
         raise bad("mesh is not a valid tp/ring/ulysses mesh") from None
-    tp = m.mesh["tp"]
+    tp = mesh.tp
+    # One data file per TP rank and one entry per rank: this also bounds every loop over the mesh.
+    if len(m.files) != tp or sorted(f.tp_rank for f in m.files) != list(range(tp)):
+        raise bad(f"the data files are not one per tp rank 0..{tp - 1}")
+    if len(m.ranks) != mesh.world_size or any(r.rank != i or r.coords != mesh.coords(i) for i, r in enumerate(m.ranks)):
+        raise bad(f"the rank entries do not match the mesh {mesh.describe()}")
     for what, dtype in [("dtype", m.dtype)] + [
         (f"tensor {n}", d) for n, t in m.tensors.items() for d in (t.dtype, t.source_dtype)
     ]:
@@ -147,8 +152,6 @@ def _check_consistency(m: Manifest, origin: str) -> None:
             raise bad(f"data file name {f.name!r} is not a plain file name")
         if f.size < 0:
             raise bad(f"file {f.name} has a negative size")
-        if not 0 <= f.tp_rank < tp:
-            raise bad(f"file {f.name} belongs to tp rank {f.tp_rank}, outside tp={tp}")
     for name, tensor in m.tensors.items():
         if any(s < 0 for s in tensor.shape):
             raise bad(f"tensor {name} has a negative dimension")

@@ -42,7 +42,7 @@ import numpy
 import torch
 import xxhash
 
-from preshard.converter.safetensors_file import dtype_from_name, dtype_name, read_bytes_into, read_rows
+from preshard.converter.safetensors_file import dtype_from_name, dtype_name, read_bytes_into
 from preshard.errors import PreshardError
 from preshard.manifests.io import read_manifest
 from preshard.manifests.schema import DCP_METADATA_NAME, ChunkRecord, Manifest, TensorRecord
@@ -119,7 +119,7 @@ def verify_checkpoint(
     result.tensors = len(manifest.tensors)
     result.chunks = sum(len(t.chunks) for t in manifest.tensors.values())
 
-    total = sum(f.size for f in manifest.files) + (sum(h.size for h in src.files) * 2 if src is not None else 0)
+    total = sum(f.size for f in manifest.files) + (src.total_bytes if src is not None else 0)
     bar = _bar(total, progress)
     try:
         _check_mesh(manifest, result)
@@ -549,22 +549,9 @@ def _check_config(checkpoint: Path, manifest: Manifest, result: VerifyResult) ->
 
 
 def _check_source(checkpoint: Path, manifest: Manifest, src, result: VerifyResult, bad: set, bar) -> None:
+    """Every tensor against the source (read once, in file order, which also yields each file's hash)."""
     from preshard.converter.slicer import cast_dtype
-    from preshard.converter.sources import hash_file
-
-    recorded = {f.name: f for f in manifest.source.files}
-    actual = {h.path.name: h for h in src.files}
-    for name in sorted(set(recorded) - set(actual)):
-        result.add(f"source file {name}, recorded in the manifest, is not part of {src.path}")
-    for name in sorted(set(actual) - set(recorded)):
-        result.add(f"source file {name} is not one the checkpoint was converted from")
-    for name in sorted(set(actual) & set(recorded)):
-        result.source_files += 1
-        if actual[name].size != recorded[name].size:
-            result.add(f"source file {name} is {actual[name].size} bytes, the manifest recorded {recorded[name].size}")
-        elif hash_file(actual[name].path) != recorded[name].xxh3_128:
-            result.add(f"source file {name} has changed since the conversion (its xxh3_128 differs)")
-        bar.update(actual[name].size)
+    from preshard.converter.sources import SourceReader
 
     for name in sorted(set(manifest.tensors) - set(src.tensors)):
         result.add(f"tensor {name} is in the checkpoint but not in the source")
@@ -574,41 +561,56 @@ def _check_source(checkpoint: Path, manifest: Manifest, src, result: VerifyResul
         cast = dtype_from_name(manifest.dtype) if manifest.dtype is not None else None
     except PreshardError:
         result.add(f"the manifest's dtype {manifest.dtype!r} is not a torch dtype")
-        return
+        cast = None
 
     checkpoint_fds: dict[str, int] = {}
-    source_fds: dict[Path, int] = {}
+    reader = SourceReader(src)
     try:
         for f in manifest.files:
             if (checkpoint / f.name).is_file():
                 checkpoint_fds[f.name] = os.open(checkpoint / f.name, os.O_RDONLY)
-        for h in src.files:
-            source_fds[h.path] = os.open(h.path, os.O_RDONLY)
-        for name in sorted(set(manifest.tensors) & set(src.tensors)):
-            entry, tensor = src.tensors[name], manifest.tensors[name]
+        for entry in src.in_file_order():
+            # Every source tensor is read, in order, so that the file hashes come from this same pass.
+            value = reader.rows(entry, 0, entry.shape[0] if entry.shape else 1)
             bar.update(entry.nbytes)
+            tensor = manifest.tensors.get(entry.name)
+            if tensor is None:
+                continue
             if list(entry.shape) != list(tensor.shape):
-                result.add(f"tensor {name} has shape {tensor.shape}, the source's is {list(entry.shape)}")
+                result.add(f"tensor {entry.name} has shape {tensor.shape}, the source's is {list(entry.shape)}")
                 continue
             out_dtype = cast_dtype(entry.dtype, cast)
             if tensor.source_dtype != dtype_name(entry.dtype) or tensor.dtype != dtype_name(out_dtype):
                 result.add(
-                    f"tensor {name} is {tensor.dtype} (from {tensor.source_dtype}), but the source's "
+                    f"tensor {entry.name} is {tensor.dtype} (from {tensor.source_dtype}), but the source's "
                     f"{dtype_name(entry.dtype)} converts to {dtype_name(out_dtype)}"
                 )
                 continue
-            if _compare_tensor(entry, tensor, out_dtype, source_fds[entry.path], checkpoint_fds, bad, result):
+            if _compare_tensor(value.to(out_dtype), tensor, checkpoint_fds, bad, result):
                 result.source_tensors += 1
+            del value
+        recorded = {f.name: f for f in manifest.source.files}
+        actual = {h.path.name: h for h in src.files}
+        for name in sorted(set(recorded) - set(actual)):
+            result.add(f"source file {name}, recorded in the manifest, is not part of {src.path}")
+        for name in sorted(set(actual) - set(recorded)):
+            result.add(f"source file {name} is not one the checkpoint was converted from")
+        for name in sorted(set(actual) & set(recorded)):
+            result.source_files += 1
+            if actual[name].size != recorded[name].size:
+                result.add(
+                    f"source file {name} is {actual[name].size} bytes, the manifest recorded {recorded[name].size}"
+                )
+            elif reader.file_hash(actual[name].path) != recorded[name].xxh3_128:
+                result.add(f"source file {name} has changed since the conversion (its xxh3_128 differs)")
     finally:
-        for fd in [*checkpoint_fds.values(), *source_fds.values()]:
+        reader.close()
+        for fd in checkpoint_fds.values():
             os.close(fd)
 
 
-def _compare_tensor(entry, tensor: TensorRecord, dtype: torch.dtype, source_fd: int, fds, bad, result) -> bool:
-    """Compare each stored chunk's bytes with the matching slice of the (cast) source tensor."""
-    value = read_rows(source_fd, entry, 0, entry.shape[0] if entry.shape else 1)
-    if value.dtype != dtype:
-        value = value.to(dtype)
+def _compare_tensor(value: torch.Tensor, tensor: TensorRecord, fds, bad, result) -> bool:
+    """Compare each stored chunk's bytes with the matching slice of the (cast) source tensor `value`."""
     equal = True
     for c in tensor.chunks:
         if (c.file, c.data_offset) in bad or c.file not in fds:

@@ -1,0 +1,675 @@
+"""Reliability: atomic and resumable conversion, verifiable shards, every bad input a clear error.
+
+- crash: the converter is SIGKILLed at 20 random moments; no half-written output ever appears, a
+  previous output is never lost, re-runs resume from the journal, the result verifies bit for bit;
+- damage: one flipped byte anywhere in any data file is caught by verify (naming the tensor when the
+  byte is tensor data); a missing or truncated rank file is caught at load, naming the file;
+- bad input: each is one line "error: ..." and exit status 2 from the CLI, no traceback, no output
+  written, the source untouched;
+- fuzz: random and mutated safetensors headers and manifests give a PreshardError or a parse, never
+  another exception.
+"""
+
+from __future__ import annotations
+
+import copy
+import errno
+import hashlib
+import importlib
+import json
+import random
+import shutil
+import struct
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+from _multiproc import RankFailure, init_gloo, run_ranks
+from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from preshard.cli import convert_checkpoint_command, main
+from preshard.converter.convert import convert_checkpoint, partial_dir
+from preshard.converter.dcp_writer import RankFileWriter
+from preshard.converter.safetensors_file import DTYPES, read_header
+from preshard.errors import ChecksumMismatch, PreshardError
+from preshard.manifests.io import manifest_from_dict, read_manifest
+from preshard.manifests.report import inspect_table
+from preshard.manifests.schema import DCP_METADATA_NAME, MANIFEST_NAME, data_file_name
+from preshard.manifests.verify import rank_layout_problems, verify_checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+crash_soak = importlib.import_module("crash_soak")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Fixtures: the tiny MiniMax-H3 checkpoint (several files + index) converted at tp=1 and tp=2
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict[str, Path]:
+    from preshard.examples.minimax_h3 import build_model, save_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny")
+    source = save_checkpoint(build_model(seed=0), root / "src", max_shard_bytes=200_000)
+    out = {"src": source}
+    for tp in (1, 2):
+        out[f"tp{tp}"] = root / f"tp{tp}"
+        convert_checkpoint(source, out[f"tp{tp}"], tp=tp, progress=False)
+    return out
+
+
+@pytest.fixture()
+def tp1(tiny, tmp_path) -> Path:
+    """A private copy of the tp=1 checkpoint that a test may damage."""
+    return Path(shutil.copytree(tiny["tp1"], tmp_path / "tp1"))
+
+
+@pytest.fixture()
+def tp2(tiny, tmp_path) -> Path:
+    return Path(shutil.copytree(tiny["tp2"], tmp_path / "tp2"))
+
+
+def _model_class():
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    return MiniMaxH3Transformer3DModel
+
+
+def _load(checkpoint: Path, **kwargs):
+    from preshard.runtime.load import load_sharded
+
+    return load_sharded(_model_class(), checkpoint, device="cpu", **kwargs)
+
+
+def _edit_manifest(checkpoint: Path, edit) -> None:
+    path = checkpoint / MANIFEST_NAME
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+def _tree_hash(folder: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(p for p in Path(folder).rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(folder)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def _assert_user_error(result, *fragments: str) -> str:
+    """Exit status 2, exactly one line on stderr starting with 'error: ', no traceback anywhere."""
+    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
+    assert isinstance(result.exception, SystemExit)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.output
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    return lines[0]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Crash: SIGKILL at random moments (the harness is shared with scripts/crash_soak.py)
+
+
+@pytest.mark.timeout(180)
+def test_sigkill_at_random_moments_leaves_no_half_written_output_and_resumes(tmp_path):
+    source = crash_soak.build_source(tmp_path / "src", blocks=40, width=448)  # 320 tensors, 92 MiB
+    before = _tree_hash(source)
+    harness = crash_soak.CrashHarness(source, tmp_path / "plan.json", tmp_path / "out", tp=4, seed=20240601)
+    stats = harness.run(20, rerun_every=3, reset_probability=0.5)
+    print(stats.summary())
+    assert not stats.failures, "\n".join(stats.failures)
+    assert stats.kills >= 20
+    # At least once a re-run skipped the tensors that a killed run had finished (checked exactly per re-run).
+    assert stats.resumes >= 1 and stats.tensors_reused > 0, stats.summary()
+    # The kills are spread over the run, not all at the start or the end.
+    assert sum(n for stage, n in stats.stages.items() if stage.startswith("tensors ") and stage != "tensors 0") >= 5
+    assert len(stats.stages) >= 3, stats.summary()
+    assert verify_checkpoint(tmp_path / "out", source=source).ok
+    assert not partial_dir(tmp_path / "out").exists()
+    assert _tree_hash(source) == before
+
+
+# ---------------------------------------------------------------------------------------------------------
+# verify
+
+
+def test_verify_clean_checkpoint_is_ok_and_cli_prints_one_line(tiny):
+    result = verify_checkpoint(tiny["tp2"], source=tiny["src"])
+    assert result.ok, result.problems
+    assert result.tensors == result.source_tensors == len(read_manifest(tiny["tp2"]).tensors)
+    assert result.files == 2 and result.source_files == 3
+    run = CliRunner().invoke(main, ["verify", str(tiny["tp2"]), "--source", str(tiny["src"])])
+    assert run.exit_code == 0, run.output
+    assert run.stdout.strip().splitlines() == [run.stdout.strip()] and run.stdout.startswith("OK ")
+
+
+def test_verify_compares_with_the_dtype_cast_source_and_catches_a_rehashed_change(tiny, tmp_path):
+    out = tmp_path / "fp16"
+    convert_checkpoint(tiny["src"], out, tp=2, dtype="fp16", progress=False)
+    assert verify_checkpoint(out, source=tiny["src"]).ok
+    # Change one tensor's bytes and re-record every checksum: only the comparison with the source can see it.
+    import xxhash
+
+    manifest = read_manifest(out)
+    chunk = manifest.tensors["proj_out.weight"].chunks[0]
+    path = out / chunk.file
+    data = bytearray(path.read_bytes())
+    data[chunk.data_offset + 1] ^= 0x10
+    path.write_bytes(data)
+
+    def rehash(m):
+        for c in m["tensors"]["proj_out.weight"]["chunks"]:
+            if c["data_offset"] == chunk.data_offset and c["file"] == chunk.file:
+                c["xxh3_64"] = xxhash.xxh3_64_hexdigest(
+                    bytes(data[c["data_offset"] : c["data_offset"] + c["data_length"]])
+                )
+        for f in m["files"]:
+            if f["name"] == chunk.file:
+                f["xxh3_128"] = xxhash.xxh3_128_hexdigest(bytes(data))
+
+    _edit_manifest(out, rehash)
+    assert verify_checkpoint(out).ok  # self-consistent ...
+    result = verify_checkpoint(out, source=tiny["src"])  # ... but not the source's tensor
+    assert [p for p in result.problems if "proj_out.weight" in p and "differs from the source" in p], result.problems
+    assert result.damaged_tensors == ["proj_out.weight"]
+
+
+def test_verify_with_source_names_a_changed_source_file_and_tensor(tiny, tmp_path):
+    source = Path(shutil.copytree(tiny["src"], tmp_path / "src"))
+    header = read_header(next(source.glob("*-00002-of-*.safetensors")))
+    entry = max(header.tensors.values(), key=lambda t: t.nbytes)
+    data = bytearray(header.path.read_bytes())
+    data[entry.start + 3] ^= 0x40
+    header.path.write_bytes(data)
+    problems = verify_checkpoint(tiny["tp2"], source=source).problems
+    assert any(f"source file {header.path.name} has changed" in p for p in problems), problems
+    assert any(p.startswith(f"tensor {entry.name}:") and "differs from the source" in p for p in problems), problems
+    assert len(problems) == 2, problems
+
+
+def _flip_positions(manifest, name: str, size: int, rng: random.Random) -> list[int]:
+    chunks = [c for t in manifest.tensors.values() for c in t.chunks if c.file == name]
+    positions = {0, 1, 7, 30, 64, size // 2, size - 1, size - 2, size - 22, size - 60}
+    for c in rng.sample(chunks, min(4, len(chunks))):
+        positions |= {c.blob_offset + 3, c.blob_offset + 40, c.data_offset - 1, c.data_offset}
+        positions |= {
+            c.data_offset + c.data_length - 1,
+            c.data_offset + c.data_length,
+            c.blob_offset + c.blob_length - 5,
+        }
+    positions |= {rng.randrange(size) for _ in range(6)}
+    return sorted(p for p in positions if 0 <= p < size)
+
+
+def test_one_flipped_byte_anywhere_in_any_data_file_is_caught_by_verify(tp2):
+    manifest = read_manifest(tp2)
+    rng = random.Random(7)
+    tested = 0
+    for record in manifest.files:
+        path = tp2 / record.name
+        original = path.read_bytes()
+        owner = {}  # byte -> tensor whose data holds it
+        for t in manifest.tensors.values():
+            for c in t.chunks:
+                if c.file == record.name:
+                    owner.update(dict.fromkeys(range(c.data_offset, c.data_offset + c.data_length), t.name))
+        for position in _flip_positions(manifest, record.name, len(original), rng):
+            damaged = bytearray(original)
+            damaged[position] ^= 1 << rng.randrange(8)
+            path.write_bytes(damaged)
+            result = verify_checkpoint(tp2)
+            assert not result.ok, f"a flipped byte at {position} of {record.name} went unnoticed"
+            if position in owner:
+                assert result.damaged_tensors == [owner[position]], (position, result.problems)
+                assert owner[position] in result.problems[0] and "xxh3_64" in result.problems[0]
+            else:
+                assert record.name in result.problems[0] and "torch.save record" in result.problems[0]
+            tested += 1
+        path.write_bytes(original)
+    assert tested >= 30
+    assert verify_checkpoint(tp2).ok
+
+
+def test_verify_cli_exit_1_lists_at_most_20_problems(tp2):
+    manifest = read_manifest(tp2)
+    name = manifest.files[0].name
+    with open(tp2 / name, "r+b") as f:
+        f.truncate(100)
+    run = CliRunner().invoke(main, ["verify", str(tp2)])
+    assert run.exit_code == 1, run.output
+    lines = run.stdout.strip().splitlines()
+    assert lines[0].startswith(f"data file {name} is 100 bytes")
+    assert lines[20].startswith("... and ") and lines[20].endswith(" more")
+    assert lines[21].startswith("FAILED ") and len(lines) == 22
+    assert "lies past the end" in lines[1]
+
+
+def test_verify_finds_coverage_holes_overlaps_and_wrong_slices_by_arithmetic(tp2):
+    def drop_chunk(m):
+        m["tensors"]["transformer_blocks.0.attn.to_q.weight"]["chunks"].pop()
+
+    _edit_manifest(tp2, drop_chunk)
+    problems = verify_checkpoint(tp2).problems
+    assert any("to_q.weight: its chunks hold" in p for p in problems), problems
+
+    def overlap(m):
+        chunks = m["tensors"]["transformer_blocks.0.attn.to_k.weight"]["chunks"]
+        chunks[1]["offsets"] = list(chunks[0]["offsets"])
+
+    _edit_manifest(tp2, overlap)
+    problems = verify_checkpoint(tp2).problems
+    assert any("to_k.weight: chunk at offsets" in p and "overlaps" in p for p in problems), problems
+
+    def swap_ranks(m):
+        chunks = m["tensors"]["transformer_blocks.0.attn.to_v.weight"]["chunks"]
+        chunks[0]["offsets"], chunks[1]["offsets"] = chunks[1]["offsets"], chunks[0]["offsets"]
+
+    _edit_manifest(tp2, swap_ranks)
+    problems = verify_checkpoint(tp2).problems
+    assert any("to_v.weight: tp rank 0 holds chunks" in p for p in problems), problems
+
+
+def test_verify_checks_metadata_and_config_without_running_pickled_code(tp2, tmp_path):
+    (tp2 / "config.json").unlink()
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (Path.touch, (marker,))
+
+    import pickle
+
+    (tp2 / DCP_METADATA_NAME).write_bytes(pickle.dumps(Evil()))
+    problems = verify_checkpoint(tp2).problems
+    assert any(p.startswith("config.json is missing") for p in problems), problems
+    assert any(p.startswith(f"{DCP_METADATA_NAME} cannot be read") for p in problems), problems
+    assert not marker.exists()
+    (tp2 / DCP_METADATA_NAME).unlink()
+    assert any(p.startswith(f"{DCP_METADATA_NAME} is missing") for p in verify_checkpoint(tp2).problems)
+
+
+def test_verify_and_load_refuse_a_manifest_with_a_hole_before_reading(tp1):
+    _edit_manifest(tp1, lambda m: m["tensors"]["proj_out.weight"]["chunks"].pop())
+    assert rank_layout_problems(read_manifest(tp1), 0)
+    with pytest.raises(PreshardError, match="proj_out.weight: tp rank 0 does not have the whole replicated tensor"):
+        _load(tp1, verify=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Load-time damage
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_missing_or_truncated_rank_file_is_caught_at_load_naming_the_file(tp1, damage):
+    path = tp1 / data_file_name(0)
+    if damage == "missing":
+        path.unlink()
+    else:
+        with open(path, "r+b") as f:
+            f.truncate(path.stat().st_size - 1)
+    with pytest.raises(PreshardError, match=data_file_name(0)) as info:
+        _load(tp1)
+    assert ("missing" if damage == "missing" else "truncated") in str(info.value)
+
+
+def _load_rank(rank: int, world_size: int, checkpoint: str) -> None:
+    init_gloo()
+    _load(Path(checkpoint))
+
+
+def test_truncated_rank_file_is_caught_at_load_in_a_tp2_gloo_run(tp2):
+    with open(tp2 / data_file_name(1), "r+b") as f:
+        f.truncate(1000)
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_load_rank, 2, str(tp2), timeout=120)
+    assert data_file_name(1) in str(info.value) and "truncated" in str(info.value)
+
+
+def test_checksum_mismatch_is_caught_by_verify_and_by_load_verify_true(tp1):
+    manifest = read_manifest(tp1)
+    chunk = manifest.tensors["transformer_blocks.1.ff.net.2.weight"].chunks[0]
+    path = tp1 / chunk.file
+    data = bytearray(path.read_bytes())
+    data[chunk.data_offset + chunk.data_length // 2] ^= 0x01
+    path.write_bytes(data)
+    result = verify_checkpoint(tp1)
+    assert result.damaged_tensors == ["transformer_blocks.1.ff.net.2.weight"]
+    run = CliRunner().invoke(main, ["verify", str(tp1)])
+    assert run.exit_code == 1 and "transformer_blocks.1.ff.net.2.weight" in run.stdout
+    with pytest.raises(ChecksumMismatch, match=r"transformer_blocks\.1\.ff\.net\.2\.weight"):
+        _load(tp1, verify=True)
+
+
+def test_world_size_that_disagrees_with_the_manifest_names_both_numbers(tiny):
+    with pytest.raises(PreshardError) as info:
+        _load(tiny["tp2"])
+    message = str(info.value)
+    assert "world size 1" in message and "= 2 ranks" in message and "tp=2" in message
+
+
+def test_manifest_of_a_future_format_version_is_refused_at_load_verify_and_inspect(tp1):
+    _edit_manifest(tp1, lambda m: m.update(version=99))
+    with pytest.raises(PreshardError, match="manifest version 99, newer than"):
+        _load(tp1)
+    for command in ("verify", "inspect"):
+        _assert_user_error(CliRunner().invoke(main, [command, str(tp1)]), "version 99", "upgrade preshard")
+
+
+def test_verify_cli_user_errors_exit_2(tmp_path, tiny):
+    _assert_user_error(CliRunner().invoke(main, ["verify", str(tmp_path / "nope")]), "does not exist")
+    _assert_user_error(CliRunner().invoke(main, ["verify", str(tmp_path)]), "manifest.json is missing")
+    run = CliRunner().invoke(main, ["verify", str(tiny["tp1"]), "--source", str(tmp_path / "nope")])
+    _assert_user_error(run, "source", "does not exist")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Bad input to convert-checkpoint: one line, exit 2, nothing written, the source untouched
+
+
+def _raw_safetensors(path: Path, header, data: bytes = b"", length: int | None = None) -> Path:
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw) if length is None else length) + raw + data)
+    return path
+
+
+def _valid_file(folder: Path) -> Path:
+    from safetensors.torch import save_file
+
+    save_file({"a.weight": torch.randn(8, 8), "a.bias": torch.randn(8)}, str(folder / "model.safetensors"))
+    return folder / "model.safetensors"
+
+
+def _truncated(folder: Path):
+    path = _valid_file(folder)
+    path.write_bytes(path.read_bytes()[:-40])
+    return path, ["model.safetensors", "truncated"]
+
+
+def _bad_header_length(folder: Path):
+    return _raw_safetensors(folder / "model.safetensors", b"{}", length=10**12), ["bad header length"]
+
+
+def _header_not_json(folder: Path):
+    return _raw_safetensors(folder / "model.safetensors", b"\x00not json{"), ["header is not valid JSON"]
+
+
+def _offsets_past_end(folder: Path):
+    header = {"a.weight": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}}
+    return _raw_safetensors(folder / "model.safetensors", header, b"\0" * 8), ["a.weight", "past the end"]
+
+
+def _overlapping(folder: Path):
+    header = {
+        "a.weight": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]},
+        "a.bias": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]},
+    }
+    return _raw_safetensors(folder / "model.safetensors", header, b"\0" * 16), ["overlaps"]
+
+
+def _index_names_missing_file(folder: Path):
+    _valid_file(folder)
+    index = {"weight_map": {"a.weight": "model.safetensors", "a.bias": "model-00002-of-00002.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return folder, ["model-00002-of-00002.safetensors", "missing"]
+
+
+BAD_SOURCES = [
+    _truncated,
+    _bad_header_length,
+    _header_not_json,
+    _offsets_past_end,
+    _overlapping,
+    _index_names_missing_file,
+]
+
+
+@pytest.fixture()
+def small_source(tmp_path) -> tuple[Path, Path]:
+    source = crash_soak.build_source(tmp_path / "small" / "src", blocks=2, width=16)
+    return source, tmp_path / "small" / "plan.json"
+
+
+def _convert_cli(source, out, plan, *extra: str):
+    args = [str(source), str(out), "--tp", "2", "--plan", str(plan), "--quiet", *extra]
+    return CliRunner().invoke(convert_checkpoint_command, args)
+
+
+@pytest.mark.parametrize("make", BAD_SOURCES, ids=[f.__name__.strip("_") for f in BAD_SOURCES])
+def test_bad_source_is_one_line_exit_2_nothing_written(tmp_path, small_source, make):
+    folder = tmp_path / "bad"
+    folder.mkdir()
+    source, fragments = make(folder)
+    before = _tree_hash(folder)
+    out = tmp_path / "out"
+    _assert_user_error(_convert_cli(source, out, small_source[1]), *fragments)
+    assert not out.exists() and not partial_dir(out).exists()
+    assert _tree_hash(folder) == before
+
+
+@pytest.mark.parametrize(
+    "plan_text, fragments",
+    [
+        ('{"name": "p", "linear": [', ["plan file", "is not valid JSON"]),
+        (json.dumps({"name": "p", "linear": [{"match": "blocks.*.ada", "style": "diagonal"}]}), ["unknown style"]),
+    ],
+    ids=["bad-json", "bad-style"],
+)
+def test_bad_plan_file_is_one_line_exit_2_nothing_written(tmp_path, small_source, plan_text, fragments):
+    source, _ = small_source
+    plan = tmp_path / "bad-plan.json"
+    plan.write_text(plan_text)
+    before = _tree_hash(source)
+    out = tmp_path / "out"
+    _assert_user_error(_convert_cli(source, out, plan), *fragments)
+    assert not out.exists() and not partial_dir(out).exists()
+    assert _tree_hash(source) == before
+
+
+def test_output_path_that_is_a_file_is_one_line_exit_2(tmp_path, small_source):
+    source, plan = small_source
+    out = tmp_path / "out"
+    out.write_text("my notes")
+    _assert_user_error(_convert_cli(source, out, plan, "--overwrite"), "is a file")
+    assert out.read_text() == "my notes" and not partial_dir(out).exists()
+
+
+def test_disk_full_while_writing_is_one_line_exit_2_and_a_rerun_resumes(tmp_path, small_source, monkeypatch):
+    source, plan = small_source
+    before = _tree_hash(source)
+    out = tmp_path / "out"
+    real_write = RankFileWriter.write
+    calls = {"n": 0}
+
+    class FullDisk:
+        """The data file once the disk is full: every write fails with ENOSPC, as the OS would."""
+
+        def __init__(self, file):
+            self.file = file
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __getattr__(self, name):
+            return getattr(self.file, name)
+
+    def write_until_full(self, data):
+        calls["n"] += 1
+        if calls["n"] > 200 and not isinstance(self.file, FullDisk):
+            self.file = FullDisk(self.file)  # the write goes through torch.save's C++ writer, which hides it
+        return real_write(self, data)
+
+    monkeypatch.setattr(RankFileWriter, "write", write_until_full)
+    _assert_user_error(_convert_cli(source, out, plan), "disk is full")
+    assert not out.exists()
+    assert _tree_hash(source) == before
+    monkeypatch.undo()
+    written: list[str] = []
+    convert_checkpoint(source, out, tp=2, plan=plan, progress=False, on_tensor_written=written.append)
+    assert 0 < len(written) < 16  # the tensors finished before the disk filled up were kept
+    assert verify_checkpoint(out, source=source).ok
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Fuzz: safetensors headers and manifests
+
+JSON_LEAVES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**66), 2**66),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=6),
+    st.sampled_from([0, -1, 1, 2, 3, 2**63, "", "bfloat16", "float32", "colwise", "__0_0.distcp", "../x", "F32"]),
+)
+JSON_VALUES = st.recursive(
+    JSON_LEAVES,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=6,
+)
+
+
+def _json_paths(value, prefix=()):
+    if prefix:
+        yield prefix
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _json_paths(item, (*prefix, key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from _json_paths(item, (*prefix, i))
+
+
+def _perturbed(value):
+    """A value of the same JSON type (so that it gets past the type checks and into the consistency checks)."""
+    if isinstance(value, bool) or value is None:
+        return st.one_of(st.booleans(), st.none(), st.integers(-2, 3))
+    if isinstance(value, int):
+        return st.one_of(st.integers(-3, 3), st.integers(value - 2, value + 2), st.integers(0, 2**40), st.just(2**63))
+    if isinstance(value, str):
+        return st.one_of(st.text(max_size=8), st.sampled_from(["bfloat16", "float64", "colwise", "__1_0.distcp"]))
+    if isinstance(value, list):
+        return st.one_of(st.just(value[:-1]), st.just(value + value[-1:]), st.just(value[::-1]))
+    return JSON_VALUES
+
+
+@st.composite
+def _mutated(draw, base, paths):
+    """`base` with 1-3 random edits at random paths: a key dropped, a value replaced, or perturbed in type."""
+    data = copy.deepcopy(base)
+    shallow = [p for p in paths if len(p) <= 2]
+    for _ in range(draw(st.integers(1, 3))):
+        path = draw(st.sampled_from(shallow) if draw(st.integers(0, 3)) == 0 else st.sampled_from(paths))
+        parent = data
+        try:
+            for key in path[:-1]:
+                parent = parent[key]
+            current = parent[path[-1]]
+        except (KeyError, IndexError, TypeError):
+            continue
+        op = draw(st.sampled_from(["drop", "replace", "perturb", "perturb"]))
+        if op == "drop":
+            del parent[path[-1]]
+        else:
+            parent[path[-1]] = draw(JSON_VALUES if op == "replace" else _perturbed(current))
+    return data
+
+
+@pytest.fixture(scope="module")
+def fuzz_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("fuzz")
+
+
+def _valid_safetensors_bytes() -> bytes:
+    header = {
+        "__metadata__": {"format": "pt"},
+        "w": {"dtype": "BF16", "shape": [2, 3], "data_offsets": [0, 12]},
+        "b": {"dtype": "F32", "shape": [3], "data_offsets": [12, 24]},
+        "s": {"dtype": "I64", "shape": [], "data_offsets": [24, 32]},
+    }
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + bytes(range(32))
+
+
+VALID_ST = _valid_safetensors_bytes()
+VALID_ST_HEADER = json.loads(VALID_ST[8 : 8 + struct.unpack("<Q", VALID_ST[:8])[0]])
+
+RANDOM_ENTRY = st.one_of(
+    st.fixed_dictionaries(
+        {
+            "dtype": st.one_of(st.sampled_from(sorted(DTYPES)), JSON_VALUES),
+            "shape": st.one_of(st.lists(st.integers(-2, 6), max_size=3), JSON_VALUES),
+            "data_offsets": st.one_of(st.lists(st.integers(-4, 200), max_size=3), JSON_VALUES),
+        }
+    ),
+    JSON_VALUES,
+)
+
+
+@st.composite
+def _safetensors_files(draw) -> bytes:
+    kind = draw(st.sampled_from(["bytes", "json", "mutated-json", "mutated-bytes", "truncated"]))
+    if kind == "bytes":
+        return draw(st.binary(max_size=300))
+    if kind == "truncated":
+        return VALID_ST[: draw(st.integers(0, len(VALID_ST) - 1))]
+    if kind == "mutated-bytes":
+        data = bytearray(VALID_ST)
+        for _ in range(draw(st.integers(1, 4))):
+            data[draw(st.integers(0, len(data) - 1))] = draw(st.integers(0, 255))
+        return bytes(data)
+    if kind == "json":
+        header = draw(st.dictionaries(st.text(max_size=6) | st.just("__metadata__"), RANDOM_ENTRY, max_size=4))
+    else:
+        header = draw(_mutated(VALID_ST_HEADER, list(_json_paths(VALID_ST_HEADER))))
+    raw = json.dumps(header).encode()
+    length = draw(st.one_of(st.just(len(raw)), st.integers(0, 2**64 - 1)))
+    return struct.pack("<Q", length) + raw + draw(st.binary(max_size=120))
+
+
+@pytest.mark.timeout(120)
+@settings(max_examples=200, deadline=timedelta(seconds=5), suppress_health_check=[HealthCheck.too_slow])
+@given(data=_safetensors_files())
+def test_fuzz_safetensors_headers_only_raise_preshard_error(fuzz_dir, data):
+    path = fuzz_dir / "fuzz.safetensors"
+    path.write_bytes(data)
+    try:
+        header = read_header(path)
+    except PreshardError:
+        return
+    assert sum(t.nbytes for t in header.tensors.values()) == header.size - header.header_bytes
+
+
+@pytest.fixture(scope="module")
+def manifest_fuzz(tiny, tmp_path_factory):
+    """A folder with the tp=2 data files, whose manifest.json each example replaces."""
+    folder = tmp_path_factory.mktemp("manifest-fuzz")
+    for item in tiny["tp2"].iterdir():
+        if item.name != MANIFEST_NAME:
+            shutil.copy(item, folder / item.name)
+    base = json.loads((tiny["tp2"] / MANIFEST_NAME).read_text())
+    return folder, base, list(_json_paths(base))
+
+
+@pytest.mark.timeout(120)
+@settings(max_examples=200, deadline=timedelta(seconds=5), suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_fuzz_manifests_only_raise_preshard_error(manifest_fuzz, data):
+    folder, base, paths = manifest_fuzz
+    mutated = data.draw(_mutated(base, paths))
+    try:
+        manifest = manifest_from_dict(mutated)
+    except PreshardError:
+        return
+    # A manifest that parses must not crash what reads it: verify, inspect, the load-time layout check.
+    (folder / MANIFEST_NAME).write_text(json.dumps(mutated))
+    try:
+        verify_checkpoint(folder)
+    except PreshardError:
+        pass
+    inspect_table(manifest)
+    for tp_rank in range(manifest.tp):
+        rank_layout_problems(manifest, tp_rank)
