@@ -11,7 +11,6 @@ import os
 import pickle
 import struct
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,13 +24,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from preshard.converter.safetensors_file import dtype_from_name
-from preshard.manifests.schema import ChunkRecord, TensorRecord
-
-
-def tensor_bytes(tensor: torch.Tensor):
-    """A zero-copy byte view of a contiguous CPU tensor, for hashing."""
-    return tensor.reshape(-1).view(torch.uint8).numpy()
+from preshard.converter.safetensors_file import dtype_from_name, tensor_bytes
+from preshard.manifests.schema import DCP_METADATA_NAME, ChunkRecord, TensorRecord
 
 
 class RankFileWriter:
@@ -166,20 +160,8 @@ def dcp_metadata(tensors: dict[str, TensorRecord]) -> Metadata:
 
 
 def write_dcp_metadata(directory: Path, tensors: dict[str, TensorRecord]) -> None:
-    from preshard.manifests.schema import DCP_METADATA_NAME
-
     path = directory / DCP_METADATA_NAME
     with open(path, "wb") as f:
         pickle.dump(dcp_metadata(tensors), f)
         f.flush()
         os.fsync(f.fileno())
-
-
-@dataclass
-class ChunkPlan:
-    """One chunk to write: which tensor, its global offsets/sizes, and the TP rank that owns it."""
-
-    tensor: str
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    tp_rank: int | None

@@ -158,6 +158,11 @@ def _entry(path: Path, name: str, info: object, data_start: int, data_size: int)
     return TensorEntry(name, path, dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1])
 
 
+def tensor_bytes(tensor: torch.Tensor):
+    """A zero-copy byte view of a contiguous CPU tensor (for hashing and comparing)."""
+    return tensor.reshape(-1).view(torch.uint8).numpy()
+
+
 def read_bytes_into(fd: int, offset: int, out: torch.Tensor) -> None:
     """Fill the uint8 tensor `out` with the file's bytes at `offset` (positional reads, no mmap)."""
     view = memoryview(out.numpy()).cast("B")

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import xxhash
 
-from preshard.converter.safetensors_file import SafetensorsHeader, TensorEntry, read_header, read_rows
+from preshard.converter.safetensors_file import SafetensorsHeader, TensorEntry, read_header, read_rows, tensor_bytes
 from preshard.errors import PreshardError
 
 PREFERRED_INDEXES = ("diffusion_pytorch_model.safetensors.index.json", "model.safetensors.index.json")
@@ -147,7 +147,7 @@ class SourceReader:
 
     def rows(self, entry: TensorEntry, row_start: int, rows: int) -> torch.Tensor:
         tensor = read_rows(self.fds[entry.path], entry, row_start, rows)
-        self._feed(entry.path, entry.start + row_start * entry.row_bytes, tensor.reshape(-1).view(torch.uint8).numpy())
+        self._feed(entry.path, entry.start + row_start * entry.row_bytes, tensor_bytes(tensor))
         return tensor
 
     def _feed(self, path: Path, offset: int, data) -> None:

@@ -42,9 +42,10 @@ import numpy
 import torch
 import xxhash
 
-from preshard.converter.safetensors_file import dtype_from_name, dtype_name, read_bytes_into
+from preshard.converter.safetensors_file import dtype_from_name, dtype_name, read_bytes_into, tensor_bytes
 from preshard.errors import PreshardError
 from preshard.manifests.io import read_manifest
+from preshard.manifests.report import human_bytes
 from preshard.manifests.schema import DCP_METADATA_NAME, ChunkRecord, Manifest, TensorRecord
 
 SCAN_BLOCK = 8 << 20
@@ -80,7 +81,7 @@ class VerifyResult:
     def summary(self) -> str:
         what = (
             f"{self.tensors} tensors, {self.chunks} chunks, {self.files} data files "
-            f"({_human(self.bytes_hashed)} hashed)"
+            f"({human_bytes(self.bytes_hashed)} hashed)"
         )
         if self.source is not None:
             what += f"; {self.source_tensors} tensors equal to the source bit for bit"
@@ -623,7 +624,7 @@ def _compare_tensor(value: torch.Tensor, tensor: TensorRecord, fds, bad, result)
             equal = False  # past the end of a truncated file: already reported
             continue
         expected = value[tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes))].contiguous()
-        if not numpy.array_equal(stored.numpy(), expected.reshape(-1).view(torch.uint8).numpy()):
+        if not numpy.array_equal(stored.numpy(), tensor_bytes(expected)):
             result.add(f"tensor {tensor.name}: {_where(c)} in {c.file} differs from the source")
             result.damaged(tensor.name)
             equal = False
@@ -634,9 +635,3 @@ def _bar(total: int, progress: bool):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="verifying", disable=not progress)
-
-
-def _human(n: float) -> str:
-    from preshard.manifests.report import human_bytes
-
-    return human_bytes(n)
