@@ -1,8 +1,11 @@
 """User-facing errors.
 
 Every mistake a user can make surfaces as a `PreshardError`: one line that names the problem and the
-fix. The CLI prints it and exits with status 2; library callers can catch it.
+fix. The CLI prints it and exits with status 2; library callers can catch the base class or one of
+the subclasses below when they want to react to one kind of problem.
 """
+
+from __future__ import annotations
 
 
 class PreshardError(ValueError):
@@ -12,5 +15,41 @@ class PreshardError(ValueError):
         super().__init__(" ".join(str(message).split()))
 
 
-class ChecksumMismatch(PreshardError):
-    """A file's bytes do not match the checksum the manifest records."""
+class UsageError(PreshardError):
+    """An argument or option that cannot work (a mesh size of 0, an unknown dtype or device name)."""
+
+
+class SourceError(PreshardError):
+    """The source checkpoint is missing, malformed, or changed while it was being converted."""
+
+
+class PlanError(PreshardError):
+    """A sharding plan that is malformed, matches nothing, or cannot shard this model at this TP degree."""
+
+
+class OutputError(PreshardError):
+    """The output path cannot be written: it exists, overlaps the source, is locked, or the disk is too small."""
+
+
+class CorruptCheckpointError(PreshardError):
+    """A converted checkpoint is incomplete, damaged or edited: its files disagree with its manifest."""
+
+
+class ChecksumMismatch(CorruptCheckpointError):
+    """A file's or chunk's bytes do not match the checksum the manifest records."""
+
+
+class MismatchError(PreshardError):
+    """The model, its config, or the running job disagrees with the checkpoint (tensors, shapes, world size)."""
+
+
+class DeviceError(PreshardError):
+    """The requested device or backend is not available, or the launch does not fit it."""
+
+
+class Interrupted(PreshardError):
+    """SIGINT or SIGTERM stopped a conversion at a safe point; re-running the same command resumes it."""
+
+    def __init__(self, message: str, signal_number: int) -> None:
+        super().__init__(message)
+        self.signal_number = signal_number
