@@ -36,9 +36,11 @@ from pathlib import Path
 
 import torch
 
-from preshard.converter.convert import JOB_NAME, JOURNAL_NAME, convert_checkpoint, partial_dir
-from preshard.manifests.schema import MANIFEST_NAME
-from preshard.manifests.verify import verify_checkpoint
+from preshard.converter import convert as convert_module
+from preshard.converter.convert import convert_checkpoint
+from preshard.converter.workdir import JOB_NAME, JOURNAL_NAME, partial_dir
+from preshard.format.manifest import MANIFEST_NAME
+from preshard.tools.verify import verify_checkpoint
 
 PLAN = {
     "name": "synthetic",
@@ -137,7 +139,7 @@ class CrashHarness:
         self.ctx = multiprocessing.get_context("forkserver")
         # The forkserver imports preshard (and so torch) once; each child forked from it then only imports this
         # small module (found through the sys.path it inherits), so a kill costs milliseconds, not a torch import.
-        self.ctx.set_forkserver_preload(["preshard.converter.convert", "preshard.manifests.verify", "tqdm.auto"])
+        self.ctx.set_forkserver_preload(["preshard.converter.convert", "preshard.tools.verify", "tqdm.auto"])
         self.stats = SoakStats()
         self.total_tensors = 0
         self.full_seconds = 0.0
@@ -239,7 +241,11 @@ class CrashHarness:
         """Finish the conversion in this process; it must skip exactly the tensors the journal records."""
         expected_skip = self.journal_entries()
         written: list[str] = []
-        convert_checkpoint(self.source, self.output, **self._kwargs(), on_tensor_written=written.append)
+        convert_module._after_tensor_hook = written.append
+        try:
+            convert_checkpoint(self.source, self.output, **self._kwargs())
+        finally:
+            convert_module._after_tensor_hook = None
         self.stats.reruns += 1
         if len(written) != self.total_tensors - expected_skip:
             self.stats.failures.append(

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from _multiproc import init_gloo, run_ranks
+from multiproc import init_gloo, run_ranks
 
 from preshard.runtime import collectives as C
 

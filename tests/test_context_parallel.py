@@ -25,13 +25,12 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from _multiproc import init_gloo, run_ranks
+from multiproc import init_gloo, run_ranks
 from torch import nn
 
-from preshard.converter.convert import convert_checkpoint
-from preshard.examples.minimax_h3 import build_model, make_inputs, reference_forward, save_checkpoint, tiny_config
-from preshard.manifests.io import read_manifest
-from preshard.mesh import DEFAULT_ORDER, MeshSpec
+from preshard.examples.minimax_h3 import make_inputs, reference_forward, tiny_config
+from preshard.format.manifest import read_manifest
+from preshard.format.mesh import DEFAULT_ORDER, MeshSpec
 from preshard.runtime import cp as CP
 from preshard.runtime.collectives import CollectiveRuleViolation, NeuronRuleChecker
 from preshard.runtime.cp_attention import CPGroups
@@ -72,7 +71,7 @@ def _mesh_id(mesh: tuple[int, int, int]) -> str:
 
 
 def _spec(mesh: tuple[int, int, int], order: str | tuple[str, ...] = DEFAULT_ORDER) -> MeshSpec:
-    return MeshSpec.from_cli(tp=mesh[0], ring=mesh[1], ulysses=mesh[2], order=order)
+    return MeshSpec.build(tp=mesh[0], ring=mesh[1], ulysses=mesh[2], order=order)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -80,8 +79,8 @@ def _spec(mesh: tuple[int, int, int], order: str | tuple[str, ...] = DEFAULT_ORD
 
 
 @pytest.fixture(scope="module")
-def model():
-    return build_model(dtype="float32")
+def model(tiny_models):
+    return tiny_models("float32")
 
 
 @pytest.fixture(scope="module")
@@ -90,14 +89,8 @@ def references(model) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory, model) -> dict[int, str]:
-    root = tmp_path_factory.mktemp("cp")
-    source = save_checkpoint(model, root / "source")
-    result = {}
-    for tp in (1, 2):
-        convert_checkpoint(source, root / f"tp{tp}", tp=tp, progress=False)
-        result[tp] = str(root / f"tp{tp}")
-    return result
+def checkpoints(converted) -> dict[int, str]:
+    return {tp: str(converted("float32", tp)) for tp in (1, 2)}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -482,7 +475,7 @@ def test_non_default_order(world4, case):
 
 
 def test_load_time_order_override(world4, checkpoints):
-    assert read_manifest(Path(checkpoints[2])).mesh["order"] == list(DEFAULT_ORDER)
+    assert read_manifest(Path(checkpoints[2])).mesh.order == DEFAULT_ORDER
     for case in ORDER_CASES:
         mesh, order, _ = ORDER_CASES[case]
         spec, default = _spec(mesh, order), _spec(mesh)
@@ -493,58 +486,6 @@ def test_load_time_order_override(world4, checkpoints):
             assert any(groups[a] != default.group_of(a, rank) for a in ("tp", "ring", "ulysses"))
     tp_groups = {tuple(ranks["ulysses,ring,tp@2x1x2"]["groups"]["tp"]) for ranks in world4}
     assert tp_groups == {(0, 1), (2, 3)}
-
-
-# --------------------------------------------------------------------------------------------------
-# Group layout (pure)
-
-
-def test_default_order_groups():
-    spec = MeshSpec(tp=2, ring=1, ulysses=2)
-    assert spec.groups("tp") == [[0, 2], [1, 3]]
-    assert spec.groups("ulysses") == [[0, 1], [2, 3]]
-    assert spec.groups("ring") == [[0], [1], [2], [3]]
-    assert spec.groups("cp") == [[0, 1], [2, 3]]
-
-
-def test_other_order_groups():
-    spec = MeshSpec(tp=2, ring=1, ulysses=2, order=("ulysses", "ring", "tp"))
-    assert spec.groups("tp") == [[0, 1], [2, 3]]
-    assert spec.groups("ulysses") == [[0, 2], [1, 3]]
-    assert spec.groups("cp") == [[0, 2], [1, 3]]
-
-
-def test_tp2_ring2_ulysses2_groups():
-    spec = MeshSpec(tp=2, ring=2, ulysses=2)
-    assert spec.groups("tp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert spec.groups("ring") == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert spec.groups("ulysses") == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert spec.groups("cp") == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert [spec.cp_rank(r) for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
-
-    swapped = MeshSpec(tp=2, ring=2, ulysses=2, order=("tp", "ulysses", "ring"))
-    assert swapped.groups("ulysses") == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert swapped.groups("ring") == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    # cp groups list members in cp-rank order (ring major), whatever the physical order
-    assert swapped.groups("cp") == [[0, 2, 1, 3], [4, 6, 5, 7]]
-    assert [swapped.cp_rank(r) for r in range(8)] == [0, 2, 1, 3, 0, 2, 1, 3]
-
-
-@pytest.mark.parametrize("mesh", MESHES, ids=_mesh_id)
-@pytest.mark.parametrize("order", ["tp,ring,ulysses", "ulysses,ring,tp", "tp,ulysses,ring", "ring,tp,ulysses"])
-def test_groups_partition_the_world(mesh, order):
-    spec = _spec(mesh, order)
-    for axis in ("tp", "ring", "ulysses", "cp"):
-        groups = spec.groups(axis)
-        assert sorted(r for g in groups for r in g) == list(range(spec.world_size))
-        size = spec.cp if axis == "cp" else spec.size(axis)
-        assert all(len(g) == size for g in groups)
-    for rank in range(spec.world_size):
-        assert spec.rank(**spec.coords(rank)) == rank
-        assert spec.group_of("cp", rank)[spec.cp_rank(rank)] == rank
-    if order == "tp,ring,ulysses":
-        for g in spec.groups("ulysses"):  # the default keeps Ulysses groups contiguous
-            assert g == list(range(g[0], g[0] + len(g)))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _multiproc import init_gloo, run_ranks
+from multiproc import init_gloo, run_ranks
 
 from preshard.runtime import collectives as C
 from preshard.runtime import cp_attention as CPA

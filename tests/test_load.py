@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _multiproc import init_gloo, run_ranks
+from multiproc import init_gloo, run_ranks
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -25,16 +25,13 @@ from preshard.examples.minimax_h3 import (
     WEIGHTS_NAME,
     build_model,
     make_inputs,
-    reference_forward,
-    save_checkpoint,
     tiny_config,
 )
-from preshard.manifests.io import read_manifest
-from preshard.manifests.schema import CONFIG_NAME, MANIFEST_NAME, data_file_name
-from preshard.plans.styles import Style
+from preshard.format.layout import data_file_name
+from preshard.format.manifest import CONFIG_NAME, MANIFEST_NAME, read_manifest
 from preshard.runtime.construct import parameters_on_meta
-from preshard.runtime.load import check_placement, load_sharded
-from preshard.runtime.tp import RowParallelLinear, remove_row_parallel
+from preshard.runtime.load import _load_sharded, check_placement, load_sharded
+from preshard.runtime.tp import ParallelLinear, unparallelize_linear
 
 SEQ_LEN = 37  # odd, so no split of the packed sequence comes out even by accident
 FP32_TOL = 1e-5
@@ -45,8 +42,9 @@ FP32_TOL = 1e-5
 # tp=1 0.0156, tp=2 0.0195, tp=4 0.0156, i.e. 1-2.5 ulp of bf16 at 2..4 (the mixed checkpoint at tp=2: 0.0185).
 # 0.05 leaves 2.5x margin over the worst and is still 4x below what dropping one all-reduce does (0.21).
 BF16_TOL = 0.05
-# /proc/self/io rchar counts every read() of the process: besides the shard's data chunks, load_sharded
-# reads manifest.json and config.json (counted separately below) plus the gloo store/pair traffic of the
+# /proc/self/io rchar counts every read() of the process: besides the shard's data chunks and each chunk's record
+# framing (read in the same call, ~600 bytes each), load_sharded reads manifest.json and config.json (counted
+# separately below) plus the gloo store/pair traffic of the
 # new process groups it creates. Measured extra beyond chunks + manifest + config: ~100 bytes at world 1,
 # ~1.1 KiB at tp=2, ~3 KiB at tp=4; 16 KiB is a generous bound that is still far less than one shard
 # (~240 KiB at tp=4).
@@ -60,32 +58,33 @@ BROKEN_MODULE = "transformer_blocks.0.attn.to_out.0"
 
 
 @pytest.fixture(scope="module")
-def inputs():
-    return make_inputs(tiny_config(), SEQ_LEN)
+def inputs(tiny_inputs):
+    return tiny_inputs
 
 
 @pytest.fixture(scope="module")
-def models():
-    return {dtype: build_model(dtype=dtype) for dtype in ("float32", "bfloat16", "mixed")}
+def models(tiny_models):
+    return {dtype: tiny_models(dtype) for dtype in ("float32", "bfloat16", "mixed")}
 
 
 @pytest.fixture(scope="module")
-def references(models, inputs):
-    return {dtype: reference_forward(model, inputs) for dtype, model in models.items()}
+def references(references):
+    return {dtype: references(dtype) for dtype in ("float32", "bfloat16", "mixed")}
+
+
+class _Checkpoints:
+    """checkpoints[(dtype, tp)]: the session's conversion of that tiny source."""
+
+    def __init__(self, converted):
+        self.converted = converted
+
+    def __getitem__(self, key: tuple[str, int]) -> Path:
+        return self.converted(key[0], key[1])
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory, models) -> dict[tuple[str, int], Path]:
-    root = tmp_path_factory.mktemp("load")
-    sources = {dtype: save_checkpoint(model, root / f"src-{dtype}") for dtype, model in models.items()}
-    wanted = [("float32", 1), ("float32", 2), ("float32", 4), ("bfloat16", 1), ("bfloat16", 2), ("bfloat16", 4)]
-    wanted += [("mixed", 2)]
-    result = {}
-    for dtype, tp in wanted:
-        out = root / f"{dtype}-tp{tp}"
-        convert_checkpoint(sources[dtype], out, tp=tp, progress=False)
-        result[(dtype, tp)] = out
-    return result
+def checkpoints(converted) -> _Checkpoints:
+    return _Checkpoints(converted)
 
 
 def _max_diff(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> float:
@@ -127,7 +126,7 @@ def _describe(model: nn.Module) -> dict:
         "devices": sorted({str(t.device) for t in [*params.values(), *model.buffers()]}),
         "heads": {name: m.heads for name, m in model.named_modules() if type(m).__name__ == "MiniMaxH3Attention"},
         "inv_freq": (str(model.rope.inv_freq.device), str(model.rope.inv_freq.dtype)),
-        "row_parallel": sorted(n for n, m in model.named_modules() if isinstance(m, RowParallelLinear)),
+        "row_parallel": sorted(n for n, m in model.named_modules() if isinstance(m, ParallelLinear)),
         "report": model.preshard_report,
     }
 
@@ -166,7 +165,7 @@ def _rank_loads(rank: int, world_size: int, ckpts: dict[str, str], seq_len: int,
     out["mixed_info"] = _describe(mixed)
 
     # Negative control: every rank drops the same all-reduce (else the ranks' collectives fall out of step).
-    remove_row_parallel(model.get_submodule(BROKEN_MODULE))
+    unparallelize_linear(model.get_submodule(BROKEN_MODULE))
     out["broken_class"] = type(model.get_submodule(BROKEN_MODULE)).__name__
     out["broken"] = _forward(model, inputs)
     return out
@@ -270,7 +269,7 @@ def test_report_lists_every_row_parallel_module_and_nothing_else(tp, results, ch
     expected = sorted(
         name.removesuffix(".weight")
         for name, t in manifest.tensors.items()
-        if name.endswith(".weight") and Style(t.style) in (Style.ROWWISE, Style.REPLICATED_INPUT_ROWWISE)
+        if name.endswith(".weight") and t.layout.style.reduces_output
     )
     cfg = tiny_config()
     # to_out.0 and ff.net.2 of every block and refiner block, adaln_proj.linear of every block.
@@ -297,10 +296,11 @@ def test_removing_one_all_reduce_breaks_the_output(tp2_results, references):
 # Each rank reads only its shard
 
 
-def _rank_chunk_bytes(checkpoint: Path, tp_rank: int) -> int:
-    """Own slices plus every replicated tensor (stored once, in whichever rank file was emptiest)."""
-    manifest = read_manifest(checkpoint)
-    return sum(c.data_length for chunks in manifest.chunks_for_tp_rank(tp_rank).values() for c in chunks)
+def _rank_chunk_bytes(checkpoint: Path, tp_rank: int) -> tuple[int, int]:
+    """Own slices plus every replicated tensor (stored once, in whichever rank file was emptiest), and the
+    record framing read before each of them (checked against the manifest at every load)."""
+    chunks = [c for cs in read_manifest(checkpoint).chunks_for_tp_rank(tp_rank).values() for c in cs]
+    return sum(c.data_length for c in chunks), sum(len(c.framing.header) for c in chunks)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -312,10 +312,15 @@ def test_each_rank_reads_only_its_shard(tp, results, checkpoints):
     metadata_bytes = (checkpoint / MANIFEST_NAME).stat().st_size + (checkpoint / CONFIG_NAME).stat().st_size
     for rank, res in enumerate(results):
         report = res["class_info"]["report"]
-        expected = _rank_chunk_bytes(checkpoint, rank)
+        expected, framing = _rank_chunk_bytes(checkpoint, rank)
         assert report.bytes_read == expected
         rchar = res["io"]["rchar"]
-        assert expected <= rchar <= expected + metadata_bytes + READ_OVERHEAD, (rchar, expected, metadata_bytes)
+        assert expected + framing <= rchar <= expected + framing + metadata_bytes + READ_OVERHEAD, (
+            rchar,
+            expected,
+            framing,
+            metadata_bytes,
+        )
         if tp == 4:
             assert rchar < 0.5 * data_bytes, (rchar, data_bytes)
             assert expected < 0.4 * data_bytes
@@ -343,7 +348,7 @@ def tp1(checkpoints) -> Path:
 
 
 def test_in_process_load_matches(tp1, references, inputs):
-    model = load_sharded(_h3(), tp1, place_buffers=True)
+    model = load_sharded(_h3(), tp1)
     _assert_outputs_close(_forward(model, inputs), references["float32"], FP32_TOL)
 
 
@@ -430,6 +435,10 @@ def test_flipped_byte_caught_only_with_verify(tp1, tmp_path, models):
 # Placement: nothing may stay on meta
 
 
+_DEFAULTS = dict(mesh=None, cp=None, ring=None, ulysses=None, order=None, device=None, dtype=None, verify=False,
+                 revision=None, token=None)  # fmt: skip
+
+
 def _meta_rope_factory():
     model = _h3()(**tiny_config())
     model.rope.inv_freq = model.rope.inv_freq.to("meta")
@@ -438,7 +447,7 @@ def _meta_rope_factory():
 
 @pytest.mark.parametrize("place_buffers", [False, True])
 def test_buffer_left_on_meta_is_named(tp1, place_buffers):
-    message = _error(lambda: load_sharded(_meta_rope_factory, tp1, place_buffers=place_buffers))
+    message = _error(lambda: _load_sharded(_meta_rope_factory, tp1, **_DEFAULTS, place_buffers=place_buffers))
     assert "rope.inv_freq (meta)" in message
 
 

@@ -4,22 +4,58 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from preshard.errors import PreshardError
+from preshard.errors import (
+    ChecksumMismatch,
+    CorruptCheckpointError,
+    DeviceError,
+    Interrupted,
+    MismatchError,
+    OutputError,
+    PlanError,
+    PreshardError,
+    SourceError,
+    UsageError,
+)
 
 if TYPE_CHECKING:
     from preshard.converter.convert import convert_checkpoint
-    from preshard.manifests.io import read_manifest
-    from preshard.mesh import MeshSpec
+    from preshard.format.manifest import Manifest, read_manifest
+    from preshard.format.mesh import MeshSpec
+    from preshard.format.plan import Plan
     from preshard.runtime.load import load_sharded
+    from preshard.tools.verify import VerifyResult, verify_checkpoint
 
-__all__ = ["MeshSpec", "PreshardError", "convert_checkpoint", "load_sharded", "read_manifest"]
-__version__ = "0.1.0"
+__all__ = [
+    "ChecksumMismatch",
+    "CorruptCheckpointError",
+    "DeviceError",
+    "Interrupted",
+    "Manifest",
+    "MeshSpec",
+    "MismatchError",
+    "OutputError",
+    "Plan",
+    "PlanError",
+    "PreshardError",
+    "SourceError",
+    "UsageError",
+    "VerifyResult",
+    "convert_checkpoint",
+    "load_sharded",
+    "read_manifest",
+    "verify_checkpoint",
+]
+__version__ = "0.2.0"
 
 _LAZY = {
     "convert_checkpoint": "preshard.converter.convert",
     "load_sharded": "preshard.runtime.load",
-    "read_manifest": "preshard.manifests.io",
-    "MeshSpec": "preshard.mesh",
+    "read_manifest": "preshard.format.manifest",
+    "Manifest": "preshard.format.manifest",
+    "MeshSpec": "preshard.format.mesh",
+    "Plan": "preshard.format.plan",
+    "verify_checkpoint": "preshard.tools.verify",
+    "VerifyResult": "preshard.tools.verify",
 }
 
 

@@ -1,30 +1,44 @@
-"""Command line: parses arguments and calls the library; every user error is one line and exit status 2."""
+"""Command line: parses arguments and calls the library.
+
+Exit status: 0 success; 1 `verify` found problems; 2 a usage or input error (one line, `error: ...`, no
+traceback); 130 interrupted by SIGINT, 143 by SIGTERM (a conversion keeps its finished part: re-run the
+same command to resume).
+"""
 
 from __future__ import annotations
 
 import errno
 import functools
+import json
+import signal
 import sys
 
 import click
 
-from preshard.errors import PreshardError
+from preshard import __version__
+from preshard.errors import Interrupted, PreshardError
 
-EXIT_USAGE = 2
+EXIT_PROBLEMS, EXIT_USAGE = 1, 2
+EXIT_CODES_HELP = (
+    "Exit status: 0 ok, 1 verify found problems, 2 usage or input error, 130 interrupted (SIGINT), 143 terminated."
+)
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
 
 
-def _fail(message: str) -> None:
+def _fail(message: str, status: int = EXIT_USAGE) -> None:
     click.echo(f"error: {message}", err=True)
-    sys.exit(EXIT_USAGE)
+    sys.exit(status)
 
 
 def user_errors(fn):
-    """Turn library errors into one line on stderr and exit status 2, with no traceback."""
+    """Library errors become one line on stderr and exit status 2 (130/143 when interrupted), no traceback."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
+        except Interrupted as exc:
+            _fail(str(exc), 128 + exc.signal_number)
         except PreshardError as exc:
             _fail(str(exc))
         except OSError as exc:
@@ -32,37 +46,82 @@ def user_errors(fn):
                 _fail(f"the disk is full ({exc.filename or 'while writing'}); free space and re-run to resume")
             _fail(f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
         except KeyboardInterrupt:
-            _fail("interrupted; re-run the same command to resume")
+            _fail("interrupted", 128 + signal.SIGINT)
 
     return wrapper
 
 
-@click.command(name="convert-checkpoint", context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("source", type=click.Path(path_type=str))
+class _OneLineErrors:
+    """click's own usage errors (`--tp abc`, a missing argument) as one line and exit status 2."""
+
+    def main(self, *args, **kwargs):
+        try:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        except click.exceptions.Exit as exc:
+            sys.exit(exc.exit_code)
+        except click.exceptions.Abort:
+            _fail("interrupted", 128 + signal.SIGINT)
+        except click.UsageError as exc:
+            command = exc.ctx.command_path if exc.ctx is not None else "preshard"
+            _fail(f"{exc.format_message()} (see {command} --help)")
+        except click.ClickException as exc:
+            _fail(exc.format_message())
+
+
+class Command(_OneLineErrors, click.Command):
+    pass
+
+
+class Group(_OneLineErrors, click.Group):
+    command_class = Command
+
+
+def _progress_option(fn):
+    return click.option(
+        "--progress/--no-progress",
+        default=None,
+        help="Show progress (default: on when stderr is a terminal; plain periodic lines when it is not).",
+    )(fn)
+
+
+def _positive(name: str):
+    return click.option(f"--{name}", type=click.IntRange(min=1), default=None)
+
+
+@click.command(name="convert-checkpoint", cls=Command, context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
+@click.argument("source")
 @click.argument("output", type=click.Path(path_type=str))
-@click.option("--tp", type=int, required=True, help="Tensor-parallel degree.")
-@click.option("--cp", type=int, default=None, help="Context-parallel degree (Ulysses unless --ring is given).")
-@click.option("--ring", type=int, default=None, help="Ring-attention degree.")
-@click.option("--ulysses", type=int, default=None, help="Ulysses degree.")
+@click.option("--tp", type=click.IntRange(min=1), required=True, help="Tensor-parallel degree.")
+@click.option("--cp", type=click.IntRange(min=1), default=None, help="Context-parallel degree (= --ulysses N).")
+@click.option("--ring", type=click.IntRange(min=1), default=None, help="Ring-attention degree.")
+@click.option("--ulysses", type=click.IntRange(min=1), default=None, help="Ulysses degree.")
 @click.option("--order", default=None, help="Mesh axis order, default tp,ring,ulysses (last varies fastest).")
 @click.option("--plan", "plan", default=None, help="Built-in plan name or JSON plan file (default: from config.json).")
 @click.option("--dtype", default=None, help="Cast floating tensors: bf16, fp16 or fp32 (default: keep each dtype).")
+@click.option("--subfolder", default=None, help="Folder inside SOURCE (a Hub repo or local folder), e.g. transformer.")
+@click.option("--revision", default=None, help="Hub branch, tag or commit (default: the default branch).")
+@click.option("--token", default=None, help="Hub token (default: HF_TOKEN or the saved login).")
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists.")
-@click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.option("--wait", is_flag=True, help="Wait for another conversion into OUTPUT to finish instead of failing.")
+@_progress_option
+@click.version_option(__version__, "--version", prog_name="convert-checkpoint")
 @user_errors
-def convert_checkpoint_command(source, output, tp, cp, ring, ulysses, order, plan, dtype, overwrite, quiet):
-    """Slice SOURCE (.safetensors file or diffusers weights folder) into per-rank DCP shards in OUTPUT."""
+def convert_checkpoint_command(
+    source, output, tp, cp, ring, ulysses, order, plan, dtype, subfolder, revision, token, overwrite, wait, progress
+):
+    """Slice SOURCE (.safetensors file, diffusers weights folder or Hub repo id) into per-rank shards in OUTPUT."""
     from preshard.converter.convert import convert_checkpoint
-    from preshard.manifests.report import summary_line
+    from preshard.tools.inspect import summary_line
 
     manifest = convert_checkpoint(
-        source, output, tp=tp, cp=cp, ring=ring, ulysses=ulysses, order=order,
-        plan=plan, dtype=dtype, overwrite=overwrite, progress=not quiet,
+        source, output, tp=tp, cp=cp, ring=ring, ulysses=ulysses, order=order, plan=plan, dtype=dtype,
+        subfolder=subfolder, revision=revision, token=token, overwrite=overwrite, wait=wait, progress=progress,
     )  # fmt: skip
     click.echo(summary_line(manifest, output))
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=Group, context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
+@click.version_option(__version__, "--version", prog_name="preshard")
 def main() -> None:
     """preshard: pre-sharded checkpoints for tensor x context parallel inference."""
 
@@ -72,40 +131,51 @@ main.add_command(convert_checkpoint_command, name="convert")
 
 @main.command()
 @click.argument("checkpoint", type=click.Path(path_type=str))
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 @user_errors
-def inspect(checkpoint):
-    """Print the mesh, the data files and the bytes each rank reads."""
-    from preshard.manifests.io import read_manifest
-    from preshard.manifests.report import inspect_table
+def inspect(checkpoint, as_json):
+    """Print the provenance, mesh, data files and the bytes each rank reads."""
+    from preshard.format.manifest import read_manifest
+    from preshard.tools.inspect import inspect_data, inspect_table
 
-    click.echo(inspect_table(read_manifest(checkpoint)))
+    manifest = read_manifest(checkpoint)
+    click.echo(json.dumps(inspect_data(manifest), indent=1) if as_json else inspect_table(manifest))
 
 
-@main.command(name="verify")
+@main.command(name="verify", epilog=EXIT_CODES_HELP)
 @click.argument("checkpoint", type=click.Path(path_type=str))
 @click.option("--source", default=None, help="Also compare every tensor with this source checkpoint, bit for bit.")
-@click.option("--progress", is_flag=True, help="Show a progress bar.")
+@click.option("--subfolder", default=None, help="Folder inside a Hub --source.")
+@click.option("--revision", default=None, help="Revision of a Hub --source.")
+@click.option("--token", default=None, help="Hub token.")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+@_progress_option
 @user_errors
-def verify_command(checkpoint, source, progress):
-    """Check a converted checkpoint: files, checksums, chunk coverage, .metadata, config (and the source).
+def verify_command(checkpoint, source, subfolder, revision, token, as_json, progress):
+    """Check a converted checkpoint: manifest, files, checksums, framing, .metadata, config (and the source).
 
     Prints one line per problem and exits 1 if anything is wrong; exits 0 with a one-line summary if not.
     """
-    from preshard.manifests.verify import verify_checkpoint
+    from preshard.tools.verify import verify_checkpoint
 
-    result = verify_checkpoint(checkpoint, source=source, progress=progress)
-    for line in result.report_lines():
-        click.echo(line)
-    click.echo(result.summary())
+    result = verify_checkpoint(
+        checkpoint, source=source, subfolder=subfolder, revision=revision, token=token, progress=progress
+    )
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=1))
+    else:
+        for line in result.report_lines():
+            click.echo(line)
+        click.echo(result.summary())
     if not result.ok:
-        sys.exit(1)
+        sys.exit(EXIT_PROBLEMS)
 
 
 @main.command()
-@click.option("--tp", type=int, default=2, show_default=True, help="Tensor-parallel degree.")
-@click.option("--ring", type=int, default=1, show_default=True, help="Ring-attention degree.")
-@click.option("--ulysses", type=int, default=2, show_default=True, help="Ulysses degree.")
-@click.option("--seq-len", type=int, default=37, show_default=True, help="Rows of the packed sequence.")
+@click.option("--tp", type=click.IntRange(min=1), default=2, show_default=True, help="Tensor-parallel degree.")
+@click.option("--ring", type=click.IntRange(min=1), default=1, show_default=True, help="Ring-attention degree.")
+@click.option("--ulysses", type=click.IntRange(min=1), default=2, show_default=True, help="Ulysses degree.")
+@click.option("--seq-len", type=click.IntRange(min=3), default=37, show_default=True, help="Packed sequence rows.")
 @click.option("--workdir", type=click.Path(path_type=str), default=None, help="Keep the files here (default: temp).")
 @user_errors
 def demo(tp, ring, ulysses, seq_len, workdir):

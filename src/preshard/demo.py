@@ -29,7 +29,7 @@ def run_demo(
 ) -> dict:  # fmt: skip
     from preshard.converter.convert import convert_checkpoint
     from preshard.examples.minimax_h3 import build_model, make_inputs, reference_forward, save_checkpoint
-    from preshard.mesh import MeshSpec
+    from preshard.format.mesh import MeshSpec
 
     mesh = MeshSpec(tp=tp, ring=ring, ulysses=ulysses)
     with tempfile.TemporaryDirectory(prefix="preshard-demo-") as scratch:

@@ -1,380 +1,412 @@
-"""convert_checkpoint: source checkpoint -> per-TP-rank DCP shards + manifest, atomically and resumably.
+"""convert_checkpoint: a source checkpoint -> per-TP-rank DCP shards + manifest, atomically and resumably.
 
-Everything is written into a hidden sibling `.<out>.partial/`. A journal there records each finished
-tensor; a re-run of the same job checks the recorded chunks against their checksums, keeps what is
-intact and redoes the rest. Only when every file is complete, flushed and fsynced, and the manifest
-is written last, is the folder renamed into place. A crash at any moment therefore leaves no output
-or the previous complete one, never something that loads.
+The whole output layout (every record's file and offset) is derived from the plan and the source headers
+before anything is written (`preshard.format.layout`). Then the source is read once, front to back, in
+bands; each band is cut into the pieces of its chunks (`slicer`) and appended to the rank files
+(`writer`), which hash what they write. The working folder, lock, journal and commit are `workdir`'s.
 """
 
 from __future__ import annotations
 
-import ctypes
-import dataclasses
 import datetime
-import errno
 import hashlib
 import json
 import os
-import shutil
-import sys
-from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import xxhash
-from tqdm.auto import tqdm
 
-from preshard.converter.dcp_writer import RankFileWriter, write_dcp_metadata
-from preshard.converter.safetensors_file import dtype_from_name, dtype_name
-from preshard.converter.slicer import cast_dtype, iter_rank_chunks
-from preshard.converter.sources import CheckpointSource, SourceReader, open_source
-from preshard.errors import PreshardError
-from preshard.manifests.io import write_manifest
-from preshard.manifests.schema import (
+from preshard.converter.signals import StopFlag, deferred_signals
+from preshard.converter.workdir import (
+    Journal,
+    OutputLock,
+    check_output,
+    commit,
+    open_workdir,
+    partial_dir,
+    read_journal,
+)
+from preshard.converter.writer import RecordFileWriter
+from preshard.errors import CorruptCheckpointError, OutputError, SourceError, UsageError
+from preshard.format.dcp_metadata import write_dcp_metadata
+from preshard.format.dtypes import dtype_name, parse_cast
+from preshard.format.fileio import byte_view
+from preshard.format.jsonio import fsync_file, write_json_atomic
+from preshard.format.layout import ChunkRecord, FileLayout, TensorLayout, data_file_name, place_records
+from preshard.format.manifest import (
     CONFIG_NAME,
-    ChunkRecord,
+    MANIFEST_NAME,
     FileRecord,
     Manifest,
-    RankRecord,
-    SourceFileRecord,
-    SourceRecord,
+    Source,
+    SourceFile,
     TensorRecord,
-    data_file_name,
+    file_digest,
 )
-from preshard.mesh import MeshSpec
-from preshard.plans.plan import Plan, load_plan, plan_for_class
-from preshard.plans.resolve import TensorPlan, resolve_plan
+from preshard.format.mesh import MeshSpec
+from preshard.format.plan import Plan, resolve_plan
+from preshard.format.slicing import BufferPool, tensor_pieces
+from preshard.format.torch_record import RECORD_FRAMING_VERSION
+from preshard.plans.from_model import check_plan_against_model
+from preshard.plans.registry import choose_plan
+from preshard.progress import Progress
+from preshard.sources import CheckpointSource, open_source
+from preshard.sources.reader import SourceReader
 
-JOURNAL_NAME = "journal.jsonl"
-JOB_NAME = "job.json"
-DTYPE_ALIASES = {
-    "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16", "half": "float16",
-    "fp32": "float32", "float32": "float32", "float": "float32",
-}  # fmt: skip
-
-
-def partial_dir(output: Path) -> Path:
-    return output.parent / f".{output.name}.partial"
-
-
-def parse_dtype(text: str | None) -> torch.dtype | None:
-    if text is None:
-        return None
-    name = DTYPE_ALIASES.get(str(text).lower())
-    if name is None:
-        raise PreshardError(f"--dtype {text} is not supported; use one of bf16, fp16, fp32")
-    return dtype_from_name(name)
+# Journal (so fsync) about 64 times per conversion, at least every 16 MiB: a crash loses at most that much.
+SYNC_MIN_BYTES, SYNC_ROUNDS = 16 << 20, 64
+# Tests replace this to act between tensors (e.g. to crash there); never used otherwise.
+_after_tensor_hook = None
 
 
-def choose_plan(source: CheckpointSource, plan: str | Path | Plan | None) -> Plan:
-    if isinstance(plan, Plan):
-        return plan
-    if plan is not None:
-        return load_plan(plan)
-    found = plan_for_class(source.class_name)
-    if found is None:
-        what = f"model class {source.class_name}" if source.class_name else "this checkpoint (no config.json)"
-        raise PreshardError(f"no built-in plan for {what}; pass --plan NAME or --plan plan.json")
-    return found
+def resolve_mesh(
+    mesh: MeshSpec | None,
+    tp: int | None,
+    cp: int | None,
+    ring: int | None,
+    ulysses: int | None,
+    order: str | tuple[str, ...] | None,
+    default: MeshSpec | None = None,
+) -> MeshSpec:
+    """A `MeshSpec` or the keywords, not both; with neither, `default` (or tp is required)."""
+    keywords = (tp, cp, ring, ulysses, order)
+    if mesh is not None:
+        if any(k is not None for k in keywords):
+            raise UsageError("pass either mesh=MeshSpec(...) or tp/cp/ring/ulysses/order, not both")
+        if not isinstance(mesh, MeshSpec):
+            raise UsageError(f"mesh must be a preshard.MeshSpec, not {type(mesh).__name__}")
+        return mesh
+    if tp is None and default is None:
+        raise UsageError("the TP degree is required: pass --tp N (or tp=N / mesh=MeshSpec(tp=N, ...))")
+    return MeshSpec.build(tp, cp, ring, ulysses, order, default=default)
+
+
+@dataclass(frozen=True)
+class ConversionPlan:
+    """Everything decided before writing: source, plan, mesh, cast, every tensor's layout and every record's place."""
+
+    source: CheckpointSource
+    plan: Plan
+    mesh: MeshSpec
+    cast: torch.dtype | None
+    layouts: dict[str, TensorLayout]
+    files: FileLayout
+    write_order: list[str]
+
+    @property
+    def output_bytes(self) -> int:
+        return sum(self.files.file_sizes)
+
+
+def plan_conversion(
+    source: str | Path | CheckpointSource,
+    *,
+    mesh: MeshSpec,
+    plan: str | Path | Plan | None = None,
+    dtype: str | torch.dtype | None = None,
+    subfolder: str | None = None,
+    revision: str | None = None,
+    token: str | bool | None = None,
+) -> ConversionPlan:
+    """Resolve source, plan, mesh and layout without writing anything (what a dry run shows)."""
+    cast = parse_cast(dtype)
+    if isinstance(source, CheckpointSource):
+        src = source
+    else:
+        src = open_source(source, subfolder=subfolder, revision=revision, token=token)
+    chosen = choose_plan(plan, src.config)
+    shapes = {name: (entry.shape, entry.dtype) for name, entry in src.tensors.items()}
+    layouts = resolve_plan(chosen, shapes, mesh.tp, cast=cast, config=src.config or {})
+    check_plan_against_model(chosen, src.config, mesh.tp)
+    order = [entry.name for entry in src.in_file_order()]
+    files = place_records([layouts[name] for name in order], mesh.tp)
+    return ConversionPlan(src, chosen, mesh, cast, layouts, files, order)
 
 
 def convert_checkpoint(
     source: str | Path,
     output: str | Path,
     *,
-    tp: int,
+    mesh: MeshSpec | None = None,
+    tp: int | None = None,
     cp: int | None = None,
     ring: int | None = None,
     ulysses: int | None = None,
     order: str | tuple[str, ...] | None = None,
     plan: str | Path | Plan | None = None,
-    dtype: str | None = None,
+    dtype: str | torch.dtype | None = None,
+    subfolder: str | None = None,
+    revision: str | None = None,
+    token: str | bool | None = None,
     overwrite: bool = False,
-    progress: bool = True,
-    on_tensor_written: Callable[[str], None] | None = None,
+    wait: bool = False,
+    progress: bool | None = None,
 ) -> Manifest:
-    """Convert `source` (a .safetensors file or a diffusers weights folder) into `output`."""
-    mesh = MeshSpec.from_cli(tp=tp, cp=cp, ring=ring, ulysses=ulysses, order=order)
-    cast = parse_dtype(dtype)
-    src = open_source(source)
-    chosen = choose_plan(src, plan)
-    shapes = {n: (e.shape, dtype_name(e.dtype)) for n, e in src.tensors.items()}
-    resolved = resolve_plan(chosen, shapes, mesh.tp, src.config)
+    """Convert a safetensors checkpoint into per-TP-rank DCP shards and a manifest, in `output`.
+
+    Args:
+        source: a `.safetensors` file, a diffusers weights folder (with or without `*.safetensors.index.json`),
+            or a Hugging Face Hub repo id (a local path of the same spelling wins).
+        output: the folder to create. Written atomically: it appears complete or not at all.
+        mesh: the TP x CP mesh; or give `tp` (required) and `cp` (= Ulysses degree) or `ring`/`ulysses`, `order`.
+        plan: a built-in plan name, a plan JSON file, or a `Plan`; default: from config.json's `_class_name`
+            (a built-in plan, else the diffusers class's own `_tp_plan`).
+        dtype: cast 16/32/64-bit floating tensors to bf16/fp16/fp32 (a string or torch dtype); default: keep each.
+        subfolder, revision, token: for Hub repos (`subfolder` also for a local folder).
+        overwrite: replace an existing `output`.
+        wait: wait for another conversion into the same `output` to finish instead of failing at once.
+        progress: show progress (default: when stderr is a terminal).
+
+    Returns:
+        The manifest written to `output/manifest.json`.
+
+    Raises:
+        UsageError: a bad mesh or dtype. SourceError: a missing, malformed or changing source.
+        PlanError: a plan that does not fit the checkpoint or the TP degree. OutputError: an output that
+        cannot be written (exists, locked, too little disk space). Interrupted: SIGINT/SIGTERM (the finished
+        part is kept for a resume).
+    """
+    mesh = resolve_mesh(mesh, tp, cp, ring, ulysses, order)
+    job = plan_conversion(
+        source, mesh=mesh, plan=plan, dtype=dtype, subfolder=subfolder, revision=revision, token=token
+    )
     output = Path(output)
-    _check_output(src, output, overwrite)
-
-    work = partial_dir(output)
-    job = _job_key(src, chosen, mesh, cast)
-    done = _resume_state(work, job)
-    writers = {}
-    reader = SourceReader(src)
-    try:
-        writers = _open_writers(work, mesh.tp, done)
-        records = _write_tensors(src, resolved, mesh.tp, cast, reader, writers, work, done, progress, on_tensor_written)
-        checksums = {r: w.close() for r, w in writers.items()}
-        source_hashes = {h.path.name: reader.file_hash(h.path) for h in src.files}
-    finally:
-        reader.close()
-        for w in writers.values():
-            if not w.file.closed:
-                w.file.close()
-    manifest = _manifest(src, chosen, mesh, cast, records, work, checksums, source_hashes)
-    write_dcp_metadata(work, records)
-    if src.config_path is not None:
-        shutil.copyfile(src.config_path, work / CONFIG_NAME)
-        _fsync_file(work / CONFIG_NAME)
-    (work / JOURNAL_NAME).unlink(missing_ok=True)
-    (work / JOB_NAME).unlink(missing_ok=True)
-    write_manifest(work, manifest)
-    _fsync_dir(work)
-    _commit(work, output)
-    return manifest
+    check_output(output, [h.path for h in job.source.files], overwrite)
+    with OutputLock(output, wait=wait), deferred_signals() as stop:
+        check_output(output, [h.path for h in job.source.files], overwrite)  # again, now that we hold the lock
+        return _convert_locked(job, output, stop, progress)
 
 
-def _check_output(src: CheckpointSource, output: Path, overwrite: bool) -> None:
-    if output.exists() and not output.is_dir():
-        raise PreshardError(f"output {output} is a file; pass a directory path for the converted checkpoint")
-    out, source = output.resolve(), src.path.resolve()
-    if out == source or out in source.parents or source in out.parents:
-        raise PreshardError(f"output {output} overlaps the source {src.path}; write the conversion elsewhere")
-    if output.exists() and any(output.iterdir()) and not overwrite:
-        raise PreshardError(f"output {output} already exists; pass --overwrite to replace it")
-    if not output.parent.exists():
-        raise PreshardError(f"the parent folder of {output} does not exist; create it first")
-
-
-def _job_key(src: CheckpointSource, plan: Plan, mesh: MeshSpec, cast: torch.dtype | None) -> str:
-    """What must match for a partial conversion to be resumed (cheap: sizes, mtimes, headers)."""
+def _job_key(job: ConversionPlan) -> str:
+    """What must match for a partial conversion to be resumed (cheap: sizes, mtimes, headers, plan, mesh)."""
     h = hashlib.sha256()
-    for header in src.files:
+    for header in job.source.files:
         stat = header.path.stat()
-        h.update(f"{header.path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-        with open(header.path, "rb") as f:
-            h.update(f.read(header.header_bytes))
-    h.update(json.dumps(plan.to_dict(), sort_keys=True).encode())
-    h.update(f"tp={mesh.tp}:dtype={cast}".encode())
+        h.update(f"{header.path.name}:{stat.st_size}:{stat.st_mtime_ns}:{header.text}".encode())
+    h.update(json.dumps(job.plan.to_dict(), sort_keys=True).encode())
+    h.update(f"tp={job.mesh.tp}:cast={job.cast}:records={RECORD_FRAMING_VERSION}".encode())
     return h.hexdigest()
 
 
-@dataclasses.dataclass
-class ResumeState:
-    """Tensors an earlier run of the same job finished (chunks re-checked), and the file lengths after them."""
-
-    records: dict[str, TensorRecord] = dataclasses.field(default_factory=dict)
-    lengths: dict[str, int] = dataclasses.field(default_factory=dict)
+def _fingerprint(src: CheckpointSource) -> dict[Path, tuple[int, int, str]]:
+    return {h.path: (h.path.stat().st_size, h.path.stat().st_mtime_ns, h.text) for h in src.files}
 
 
-def _resume_state(work: Path, job: str) -> ResumeState:
-    """What an earlier run of this same job left intact; a partial folder of another job is discarded."""
-    done = ResumeState()
-    if work.is_dir():
+def _check_source_unchanged(src: CheckpointSource, before: dict[Path, tuple[int, int, str]]) -> None:
+    """The source files are still what was read: same size, mtime and header (else the output would mix versions)."""
+    from preshard.sources.safetensors_file import read_header
+
+    for path, (size, mtime, text) in before.items():
         try:
-            same_job = json.loads((work / JOB_NAME).read_text()).get("job") == job
-        except (OSError, ValueError, AttributeError):
-            same_job = False
-        if same_job:
-            done = _read_journal(work)
-        else:
-            shutil.rmtree(work)
-    if not work.is_dir():
-        work.mkdir()
-        (work / JOB_NAME).write_text(json.dumps({"job": job}))
-    return done
+            stat = path.stat()
+            same = (stat.st_size, stat.st_mtime_ns) == (size, mtime) and read_header(path).text == text
+        except (OSError, SourceError):
+            same = False
+        if not same:
+            raise SourceError(
+                f"source file {path.name} changed while it was being converted; nothing was committed: re-run the "
+                "command once the source is no longer being written"
+            )
 
 
-def _read_journal(work: Path) -> ResumeState:
-    from preshard.manifests.io import _build
+def _check_space(output: Path, work: Path, needed: int) -> None:
+    """Refuse up front when the output's file system cannot hold the conversion."""
+    present = sum(f.stat().st_size for f in work.glob("*.distcp")) if work.is_dir() else 0
+    stat = os.statvfs(output.parent)
+    free = stat.f_bavail * stat.f_frsize
+    missing = needed - present
+    if missing > free:
+        from preshard.units import human_bytes
 
-    done = ResumeState()
+        raise OutputError(
+            f"the conversion needs {human_bytes(missing)} more on the file system of {output.parent}, which has "
+            f"{human_bytes(free)} free; free space or write elsewhere"
+        )
+
+
+def _convert_locked(job: ConversionPlan, output: Path, stop: StopFlag, progress: bool | None) -> Manifest:
+    src = job.source
+    work = partial_dir(output)
+    config_bytes = src.config_path.read_bytes() if src.config_path is not None else None
+    _check_space(output, work, job.output_bytes + len(config_bytes or b"") + (1 << 20))
+    fingerprint = _fingerprint(src)
+    resuming = open_workdir(work, _job_key(job))
+    done, writers = _resume(work, job) if resuming else ({}, _open_writers(work, job, {}))
+    reader = SourceReader(src)
+    bar = Progress(job.output_bytes, "converting", progress, initial=sum(_bytes_of(job, done)))
     try:
-        lines = (work / JOURNAL_NAME).read_text().splitlines()
-    except OSError:
-        return done
-    for line in lines:
-        try:
-            entry = json.loads(line)
-            record = _build(TensorRecord, entry["tensor"], "journal")
-        except (ValueError, KeyError, TypeError, PreshardError):
-            break  # a line cut short by the crash: everything after it is redone
-        if not all(_chunk_intact(work, c) for c in record.chunks):
-            break
-        done.records[record.name] = record
-        done.lengths = entry["files"]
-    return done
-
-
-def _chunk_intact(work: Path, chunk: ChunkRecord) -> bool:
-    path = work / chunk.file
-    try:
-        with open(path, "rb") as f:
-            f.seek(chunk.data_offset)
-            data = f.read(chunk.data_length)
-    except OSError:
-        return False
-    return len(data) == chunk.data_length and xxhash.xxh3_64_hexdigest(data) == chunk.xxh3_64
-
-
-def _open_writers(work: Path, tp: int, done: ResumeState) -> dict[int, RankFileWriter]:
-    writers = {}
-    for r in range(tp):
-        path = work / data_file_name(r)
-        keep = done.lengths.get(path.name, 0) if path.exists() else 0
-        writers[r] = RankFileWriter(path, r, resume_from=keep)
-    return writers
-
-
-def _write_tensors(
-    src: CheckpointSource,
-    resolved: dict[str, TensorPlan],
-    tp: int,
-    cast: torch.dtype | None,
-    reader: SourceReader,
-    writers: dict[int, RankFileWriter],
-    work: Path,
-    done: ResumeState,
-    progress: bool,
-    on_tensor_written: Callable[[str], None] | None,
-) -> dict[str, TensorRecord]:
-    entries = src.in_file_order()
-    records: dict[str, TensorRecord] = {}
-    # Replicated tensors are stored once; each goes to the rank file that holds the fewest bytes so far.
-    load = {r: 0 for r in range(tp)}
-    out_bytes = {e.name: e.nbytes * cast_dtype(e.dtype, cast).itemsize // e.dtype.itemsize for e in entries}
-    for name in [e.name for e in entries if e.name in done.records]:
-        records[name] = done.records[name]
-        for c in records[name].chunks:
-            load[c.tp_rank if c.tp_rank is not None else _rank_of(c.file, writers)] += c.data_length
-    bar = tqdm(
-        total=sum(out_bytes.values()), unit="B", unit_scale=True, unit_divisor=1024,
-        desc="converting", disable=not progress,
-    )  # fmt: skip
-    bar.update(sum(out_bytes[n] for n in records))
-    try:
-        with open(work / JOURNAL_NAME, "a") as journal:
-            for entry in entries:
-                if entry.name in records:
-                    continue
-                plan = resolved[entry.name]
-                out_dtype = cast_dtype(entry.dtype, cast)
-                record = TensorRecord(
-                    name=entry.name, style=plan.style.value, shard_dim=plan.shard_dim,
-                    blocks=list(plan.blocks) if plan.blocks else None, shape=list(entry.shape),
-                    dtype=dtype_name(out_dtype), source_dtype=dtype_name(entry.dtype),
-                )  # fmt: skip
-                replica_rank = min(load, key=lambda r: (load[r], r))
-                for tp_rank, offsets, chunk in iter_rank_chunks(reader, entry, plan, tp, out_dtype):
-                    writer = writers[replica_rank if tp_rank is None else tp_rank]
-                    record.chunks.append(writer.write_chunk(chunk, offsets, tp_rank))
-                    load[writer.tp_rank] += record.chunks[-1].data_length
-                    bar.update(record.chunks[-1].data_length)
-                    # Drop the chunk before the slicer reads the next one: a loop variable would otherwise
-                    # keep the last chunk of this tensor alive while the next tensor is read.
-                    del chunk
-                records[entry.name] = record
-                for w in writers.values():
-                    w.flush()
-                line = {
-                    "tensor": dataclasses.asdict(record),
-                    "files": {w.path.name: w.position for w in writers.values()},
-                }
-                journal.write(json.dumps(line) + "\n")
-                journal.flush()
-                if on_tensor_written is not None:
-                    on_tensor_written(entry.name)
+        records = _write_tensors(job, work, reader, writers, done, stop, bar)
+        checksums = [writers[r].close() for r in range(job.mesh.tp)]
+        source_hashes = {h.path.name: reader.file_hash(h.path) for h in src.files}
     finally:
         bar.close()
-    return records
-
-
-def _rank_of(file_name: str, writers: dict[int, RankFileWriter]) -> int:
-    return next(r for r, w in writers.items() if w.path.name == file_name)
-
-
-def _manifest(
-    src: CheckpointSource,
-    plan: Plan,
-    mesh: MeshSpec,
-    cast: torch.dtype | None,
-    records: dict[str, TensorRecord],
-    work: Path,
-    checksums: dict[int, str],
-    source_hashes: dict[str, str],
-) -> Manifest:
-    from preshard import __version__
-
-    files = [
-        FileRecord(name=data_file_name(r), tp_rank=r, size=(work / data_file_name(r)).stat().st_size, xxh3_128=c)
-        for r, c in sorted(checksums.items())
-    ]
-    source = SourceRecord(
-        kind=src.kind,
-        path=str(src.path),
-        files=[SourceFileRecord(h.path.name, h.size, source_hashes[h.path.name]) for h in src.files],
-        index=src.extra.get("index"),
-    )
-    manifest = Manifest(
-        source=source,
-        mesh=mesh.to_dict(),
-        plan=plan.to_dict(),
-        tensors={name: records[name] for name in sorted(records)},
-        files=files,
-        ranks=[],
-        config=CONFIG_NAME if src.config_path is not None else None,
-        dtype=dtype_name(cast) if cast is not None else None,
-        preshard_version=__version__,
-        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    )
-    manifest.ranks = [
-        RankRecord(rank=rank, coords=mesh.coords(rank), files=manifest.files_for_tp_rank(mesh.coords(rank)["tp"]))
-        for rank in range(mesh.world_size)
-    ]
+        reader.close()
+        for w in writers.values():
+            w.abandon()
+    stop.check()
+    _check_source_unchanged(src, fingerprint)
+    manifest = _manifest(job, records, checksums, source_hashes, config_bytes)
+    if config_bytes is not None:
+        (work / CONFIG_NAME).write_bytes(config_bytes)
+        fsync_file(work / CONFIG_NAME)
+    write_dcp_metadata(work, manifest)
+    for name in ("journal.jsonl", "job.json"):
+        (work / name).unlink(missing_ok=True)
+    write_json_atomic(work / MANIFEST_NAME, manifest.to_dict())
+    stop.check()
+    commit(work, output)
     return manifest
 
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
+def _bytes_of(job: ConversionPlan, done: dict[str, list[ChunkRecord]]):
+    for chunks in done.values():
+        for c in chunks:
+            yield c.framing.length
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def _open_writers(work: Path, job: ConversionPlan, done: dict[str, list[ChunkRecord]]) -> dict[int, RecordFileWriter]:
+    """One writer per rank file, each adopting (and re-checking) the records of `done`."""
+    writers = {r: RecordFileWriter(work / data_file_name(r)) for r in range(job.mesh.tp)}
+    kept: dict[str, list[ChunkRecord]] = {data_file_name(r): [] for r in range(job.mesh.tp)}
+    for chunks in done.values():
+        for c in chunks:
+            kept[c.file].append(c)
     try:
-        os.fsync(fd)
+        for r, writer in writers.items():
+            writer.keep(sorted(kept[data_file_name(r)], key=lambda c: c.offset))
+    except BaseException:
+        for writer in writers.values():
+            writer.abandon()
+        raise
+    return writers
+
+
+def _resume(work: Path, job: ConversionPlan) -> tuple[dict[str, list[ChunkRecord]], dict[int, RecordFileWriter]]:
+    """The journalled tensors that are still intact (a prefix of the write order), and writers positioned after them."""
+    entries = read_journal(work)
+    done: dict[str, list[ChunkRecord]] = {}
+    for name, entry in zip(job.write_order, entries):
+        planned = job.files.chunks[name]
+        sums = entry.get("chunks")
+        if entry.get("tensor") != name or not isinstance(sums, list) or len(sums) != len(planned):
+            break
+        if not all(isinstance(s, str) for s in sums):
+            break
+        done[name] = [
+            ChunkRecord(c.tensor, c.owner, c.box, c.file, c.offset, c.framing, s) for c, s in zip(planned, sums)
+        ]
+    while True:
+        try:
+            return done, _open_writers(work, job, done)
+        except CorruptCheckpointError as exc:
+            # Keep only the tensors written before the damaged one, and redo the rest.
+            damaged = next((n for n in done if f" {n} " in f" {exc} "), None)
+            names = list(done)
+            cut = names.index(damaged) if damaged in names else max(0, len(names) - 1)
+            done = {n: done[n] for n in names[:cut]}
+
+
+def _write_tensors(
+    job: ConversionPlan,
+    work: Path,
+    reader: SourceReader,
+    writers: dict[int, RecordFileWriter],
+    done: dict[str, list[ChunkRecord]],
+    stop: StopFlag,
+    bar: Progress,
+) -> dict[str, list[ChunkRecord]]:
+    records = dict(done)
+    journal = Journal(work, keep_lines=len(done))
+    by_file = {data_file_name(r): writers[r] for r in writers}
+    pool = BufferPool()
+    pending: list[dict] = []
+    unsynced = 0
+    try:
+        for name in job.write_order:
+            if name in records:
+                continue
+            layout = job.layouts[name]
+            entry = job.source.tensors[name]
+            planned = job.files.chunks[name]
+            written: dict[int, ChunkRecord] = {}
+
+            def read_rows(start: int, count: int, out: torch.Tensor, entry=entry) -> None:
+                offset = entry.start + start * entry.row_bytes
+                reader.read_into(entry, offset, out)
+
+            for pieces in tensor_pieces(layout, planned, read_rows, pool):
+                for piece in pieces:
+                    writer = by_file[piece.chunk.file]
+                    if piece.first:
+                        writer.begin(piece.chunk)
+                    writer.write(byte_view(piece.data))
+                    if piece.last:
+                        written[id(piece.chunk)] = writer.end()
+                        bar.update(piece.chunk.framing.length)
+                stop.check()
+            records[name] = [written[id(c)] for c in planned]
+            pending.append({"tensor": name, "chunks": [c.xxh3_64 for c in records[name]]})
+            unsynced += layout.nbytes
+            if unsynced >= max(SYNC_MIN_BYTES, job.output_bytes // SYNC_ROUNDS):
+                _sync(writers, journal, pending)
+                unsynced = 0
+            if _after_tensor_hook is not None:
+                _after_tensor_hook(name)
+        _sync(writers, journal, pending)
     finally:
-        os.close(fd)
+        journal.close()
+    return records
 
 
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap two directories in one atomic step (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV):
-        return False
-    raise OSError(err, os.strerror(err), str(b))
+def _sync(writers: dict[int, RecordFileWriter], journal: Journal, pending: list[dict]) -> None:
+    """Make the written records durable, then claim them in the journal."""
+    for writer in writers.values():
+        writer.sync()
+    journal.append(pending)
+    pending.clear()
 
 
-def _commit(work: Path, output: Path) -> None:
-    """Rename the finished folder into place. An existing output is swapped out atomically where the system
-    can (so a crash leaves the old or the new checkpoint at `output`, never neither), else moved aside first;
-    either way the old one is then removed."""
-    if output.exists() and _exchange(work, output):
-        shutil.rmtree(work)  # now the previous output; a crash before this is cleaned up by the next run
-    elif output.exists():
-        retired = output.parent / f".{output.name}.replaced"
-        if retired.exists():
-            shutil.rmtree(retired)
-        os.rename(output, retired)
-        os.rename(work, output)
-        shutil.rmtree(retired)
-    else:
-        os.rename(work, output)
-    _fsync_dir(output.parent)
+def _manifest(
+    job: ConversionPlan,
+    records: dict[str, list[ChunkRecord]],
+    checksums: list[str],
+    source_hashes: dict[str, str],
+    config_bytes: bytes | None,
+) -> Manifest:
+    from preshard import __version__
+
+    src = job.source
+    hub = src.hub
+    source = Source(
+        kind=src.kind,
+        path=src.given or str(src.path),
+        files=tuple(SourceFile(h.path.name, h.size, source_hashes[h.path.name], h.text) for h in src.files),
+        index_name=src.index_name,
+        index_text=src.index_text,
+        repo_id=getattr(hub, "repo_id", None),
+        subfolder=getattr(hub, "subfolder", None),
+        revision=getattr(hub, "revision", None),
+        commit=getattr(hub, "commit", None),
+    )
+    config = None
+    if config_bytes is not None:
+        digest = file_digest()
+        digest.update(config_bytes)
+        config = FileRecord(CONFIG_NAME, len(config_bytes), digest.hexdigest())
+    tensors = {name: TensorRecord(job.layouts[name], tuple(records[name])) for name in sorted(records)}
+    files = tuple(FileRecord(data_file_name(r), job.files.file_sizes[r], checksums[r]) for r in range(job.mesh.tp))
+    return Manifest(
+        source=source,
+        mesh=job.mesh,
+        plan=job.plan,
+        tensors=tensors,
+        files=files,
+        config=config,
+        dtype=job.cast,
+        preshard_version=__version__,
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    ).sealed()
+
+
+__all__ = ["ConversionPlan", "convert_checkpoint", "dtype_name", "plan_conversion", "resolve_mesh"]

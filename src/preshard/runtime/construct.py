@@ -1,8 +1,11 @@
-"""Build the model with parameters on the meta device and real buffers, then give it local shapes.
+"""Build the model with parameters on the meta device and real buffers, check it against the checkpoint,
+then give it local shapes.
 
 No rank ever allocates the full model: parameters are moved to meta the moment they are registered
-(their `torch.empty` storage is never touched, so never paged in), while buffers computed in
-`__init__` (MiniMax-H3's `rope.inv_freq`) keep their real values.
+(their `torch.empty` storage is never touched, so never paged in), while buffers computed in `__init__`
+(MiniMax-H3's `rope.inv_freq`) keep their real values. The model must be the checkpoint's model: the same
+tensors with the same shapes, and (for diffusers models) the same config, since a config value such as
+`rope_theta` changes the function without changing a single shape.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,9 +21,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from preshard.errors import PreshardError
-from preshard.manifests.schema import CONFIG_NAME, Manifest
-from preshard.plans.resolve import matches
+from preshard.errors import CorruptCheckpointError, MismatchError, PlanError, UsageError
+from preshard.format.fileio import pread_bytes
+from preshard.format.jsonio import parse_json_text
+from preshard.format.manifest import Manifest, file_digest
+from preshard.format.plan import matches
 
 
 @contextlib.contextmanager
@@ -39,67 +45,133 @@ def parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original
 
 
-def build_model(model: type | Callable[[], nn.Module] | nn.Module, checkpoint: Path, manifest: Manifest) -> nn.Module:
-    """A class (built from the checkpoint's config.json), a zero-argument factory, or an instance."""
+def read_checkpoint_config(checkpoint: Path, manifest: Manifest) -> dict[str, Any] | None:
+    """The checkpoint's config.json, checked against the size and hash the manifest records.
+
+    Raises:
+        CorruptCheckpointError: config.json is missing, or differs from the one converted with.
+    """
+    record = manifest.config
+    if record is None:
+        return None
+    path = checkpoint / record.name
+    try:
+        with open(path, "rb") as f:
+            extra = os.fstat(f.fileno()).st_size != record.size
+            raw = b"" if extra else pread_bytes(f.fileno(), 0, record.size, str(path))
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{path} is missing; copy the whole checkpoint folder again") from None
+    digest = file_digest()
+    digest.update(raw)
+    if extra or digest.hexdigest() != record.xxh3_128:
+        raise CorruptCheckpointError(
+            f"{path} differs from the config the checkpoint was converted with (its xxh3_128 does not match the "
+            "manifest); restore the original config.json or convert again"
+        )
+    config = parse_json_text(raw, str(path), CorruptCheckpointError, "restore it or convert again")
+    if not isinstance(config, dict):
+        raise CorruptCheckpointError(f"{path} is not a JSON object; restore it or convert again")
+    return config
+
+
+def build_model(
+    model: type | Callable[[], nn.Module] | nn.Module, checkpoint: Path, config: dict[str, Any] | None
+) -> nn.Module:
+    """A class (built from the checkpoint's config.json), a zero-argument factory, or an instance.
+
+    Raises:
+        UsageError: `model` is none of those. MismatchError: the class is not the checkpoint's class.
+    """
     if isinstance(model, nn.Module):
         return model
     if inspect.isclass(model):
-        config = _read_config(checkpoint, manifest, model.__name__)
-        with parameters_on_meta():
-            if hasattr(model, "from_config"):
-                return model.from_config(config)
-            return model(**{k: v for k, v in config.items() if not k.startswith("_")})
+        if not issubclass(model, nn.Module):
+            raise UsageError(f"model must be an nn.Module class, a factory or an instance, not class {model.__name__}")
+        if config is None:
+            raise MismatchError(
+                f"{checkpoint} has no config.json to build {model.__name__} from; pass a factory or an instance"
+            )
+        declared = config.get("_class_name")
+        if declared is None:
+            raise MismatchError(
+                f"{checkpoint}'s config.json names no model class (_class_name) to build {model.__name__} from; "
+                "pass a factory (lambda: Model(...)) or an instance instead"
+            )
+        if declared != model.__name__:
+            raise MismatchError(
+                f"{checkpoint} holds a {declared} checkpoint, not {model.__name__}; pass the matching class"
+            )
+        kwargs = {k: v for k, v in config.items() if not k.startswith("_")}
+        try:
+            with parameters_on_meta():
+                return model.from_config(kwargs) if hasattr(model, "from_config") else model(**kwargs)
+        except (TypeError, ValueError) as exc:
+            raise MismatchError(f"cannot build {model.__name__} from {checkpoint}'s config.json: {exc}") from None
     if callable(model):
         with parameters_on_meta():
             built = model()
         if not isinstance(built, nn.Module):
-            raise PreshardError(f"the model factory returned {type(built).__name__}, not a torch.nn.Module")
+            raise UsageError(f"the model factory returned {type(built).__name__}, not a torch.nn.Module")
         return built
-    raise PreshardError(f"model must be a model class, a factory or an nn.Module, not {type(model).__name__}")
+    raise UsageError(f"model must be a model class, a factory or an nn.Module, not {type(model).__name__}")
 
 
-def _read_config(checkpoint: Path, manifest: Manifest, class_name: str) -> dict[str, Any]:
-    if manifest.config is None or not (checkpoint / manifest.config).is_file():
-        raise PreshardError(
-            f"{checkpoint} has no {CONFIG_NAME} to build {class_name} from; pass a factory or an instance instead"
-        )
+def _plain(value: Any) -> Any:
+    """JSON's view of a value (tuples become lists), so a config read from disk compares equal to one in memory."""
     try:
-        config = json.loads((checkpoint / manifest.config).read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise PreshardError(f"{checkpoint / manifest.config} is not valid JSON; convert the checkpoint again") from None
-    declared = config.get("_class_name")
-    if declared and declared != class_name:
-        raise PreshardError(f"{checkpoint} holds a {declared} checkpoint, not {class_name}; pass the matching class")
-    return config
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def check_config(model: nn.Module, config: dict[str, Any] | None) -> None:
+    """A diffusers model's own config must equal the checkpoint's on every key the checkpoint's config sets.
+
+    Raises:
+        MismatchError: naming the keys that differ and both values of the first.
+    """
+    own = getattr(model, "config", None)
+    if config is None or own is None or not hasattr(own, "items"):
+        return
+    own = dict(own.items())
+    differ = [
+        key
+        for key, value in config.items()
+        if not key.startswith("_") and key in own and _plain(own[key]) != _plain(value)
+    ]
+    if differ:
+        first = differ[0]
+        raise MismatchError(
+            f"the model's config differs from the checkpoint's in {', '.join(differ)} (e.g. {first}: model "
+            f"{_plain(own[first])!r}, checkpoint {_plain(config[first])!r}); build the model from the checkpoint's "
+            "config.json (pass the class), or convert the checkpoint this model belongs to"
+        )
 
 
 def check_against_manifest(model: nn.Module, manifest: Manifest) -> None:
     """Every tensor the model expects is in the checkpoint and vice versa, with the same global shape."""
-    expected = {**dict(model.named_parameters()), **_persistent_buffers(model)}
+    expected = {**dict(model.named_parameters()), **persistent_buffers(model)}
     missing = sorted(set(expected) - set(manifest.tensors))
     unexpected = sorted(set(manifest.tensors) - set(expected))
     if missing:
-        raise PreshardError(f"the checkpoint lacks {len(missing)} tensors the model has: {_names(missing)}")
+        raise MismatchError(f"the checkpoint lacks {len(missing)} tensors the model has: {_names(missing)}")
     if unexpected:
-        raise PreshardError(f"the checkpoint has {len(unexpected)} tensors the model lacks: {_names(unexpected)}")
+        raise MismatchError(f"the checkpoint has {len(unexpected)} tensors the model lacks: {_names(unexpected)}")
+    layouts = {name: record.layout for name, record in manifest.tensors.items()}
     wrong_shape = [
-        f"{n} (model {list(t.shape)}, checkpoint {manifest.tensors[n].shape})"
+        f"{n} (model {list(t.shape)}, checkpoint {list(layouts[n].shape)})"
         for n, t in expected.items()
-        if list(t.shape) != manifest.tensors[n].shape
+        if tuple(t.shape) != layouts[n].shape
     ]
     if wrong_shape:
-        raise PreshardError(f"shapes disagree for {len(wrong_shape)} tensors: {_names(wrong_shape)}")
+        raise MismatchError(f"shapes disagree for {len(wrong_shape)} tensors: {_names(wrong_shape)}")
     wrong_kind = [
-        f"{n} (model {_dtype(t)}, checkpoint {manifest.tensors[n].dtype})"
+        f"{n} (model {str(t.dtype).removeprefix('torch.')}, checkpoint {str(layouts[n].dtype).removeprefix('torch.')})"
         for n, t in expected.items()
-        if t.dtype.is_floating_point != getattr(torch, manifest.tensors[n].dtype).is_floating_point
+        if t.dtype.is_floating_point != layouts[n].dtype.is_floating_point
     ]
     if wrong_kind:
-        raise PreshardError(f"dtypes disagree for {len(wrong_kind)} tensors: {_names(wrong_kind)}")
-
-
-def _dtype(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
+        raise MismatchError(f"dtypes disagree for {len(wrong_kind)} tensors: {_names(wrong_kind)}")
 
 
 def _names(names: list[str], limit: int = 5) -> str:
@@ -107,7 +179,7 @@ def _names(names: list[str], limit: int = 5) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     result = {}
     for module_name, module in model.named_modules():
         for name, buf in module._buffers.items():
@@ -116,33 +188,50 @@ def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     return result
 
 
-def localise_linear(module: nn.Linear, shard_dims: dict[str, int | None], tp: int) -> None:
-    """Give a planned Linear its local parameter shapes (still on meta) and matching feature counts."""
-    for pname, dim in shard_dims.items():
-        param = module._parameters.get(pname)
-        if param is None or dim is None:
+def localise(model: nn.Module, manifest: Manifest) -> dict[str, nn.Linear]:
+    """Planned Linear layers take their local shapes (still on meta) before anything is allocated.
+
+    Returns:
+        The sharded Linear modules by name.
+
+    Raises:
+        PlanError: the plan splits a tensor of a module that is not an nn.Linear.
+    """
+    tp = manifest.tp
+    modules: dict[str, nn.Linear] = {}
+    for name, record in manifest.tensors.items():
+        layout = record.layout
+        if layout.style.name == "replicate":
             continue
-        shape = list(param.shape)
-        shape[dim] //= tp
-        module._parameters[pname] = nn.Parameter(torch.empty(shape, dtype=param.dtype, device="meta"), False)
-    module.out_features = module.weight.shape[0]
-    module.in_features = module.weight.shape[1]
+        module_name, _, leaf = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if not isinstance(module, nn.Linear):
+            raise PlanError(f"the plan shards {module_name}, which is a {type(module).__name__}, not nn.Linear")
+        modules[module_name] = module
+        if layout.shard_dim is not None:
+            param = module._parameters[leaf]
+            local = torch.empty(layout.local_shape(tp), dtype=param.dtype, device="meta")
+            module._parameters[leaf] = nn.Parameter(local, requires_grad=False)
+    for module in modules.values():
+        module.out_features, module.in_features = module.weight.shape
+    return modules
 
 
-def divide_heads(model: nn.Module, attention_rules: list[dict], tp: int) -> dict[str, list[str]]:
-    """Divide each planned attention module's head-count attributes by tp; returns what was divided where."""
+def divide_heads(model: nn.Module, manifest: Manifest) -> dict[str, list[str]]:
+    """Divide each planned attention module's head-count attributes by tp; returns what was divided where.
+
+    Raises:
+        PlanError: a rule matching no module, or an attribute that is missing or not divisible.
+    """
+    tp = manifest.tp
     divided: dict[str, list[str]] = {}
-    for rule in attention_rules:
-        hits = [(name, m) for name, m in model.named_modules() if matches(rule["match"], name)]
+    for rule in manifest.plan.attention:
+        hits = [(name, m) for name, m in model.named_modules() if matches(rule.match, name)]
         if not hits:
-            raise PreshardError(f"attention rule {rule['match']!r} matches no module of {type(model).__name__}")
+            raise PlanError(f"attention rule {rule.match!r} matches no module of {type(model).__name__}")
         for name, module in hits:
-            for attr in rule.get("divide", ["heads"]):
-                value = getattr(module, attr, None)
-                if not isinstance(value, int):
-                    raise PreshardError(f"{name} has no integer attribute {attr!r} to divide by tp={tp}")
-                if value % tp:
-                    raise PreshardError(f"{name}.{attr} = {value} does not divide by tp={tp}")
-                setattr(module, attr, value // tp)
-            divided[name] = list(rule.get("divide", ["heads"]))
+            for attr, value in rule.divided_values(name, module, tp).items():
+                setattr(module, attr, value)
+            if rule.divide:
+                divided[name] = list(rule.divide)
     return divided

@@ -23,48 +23,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from preshard.errors import PreshardError
-from preshard.mesh import MeshGroups
-from preshard.plans.resolve import matches
+from preshard.errors import PlanError, PreshardError
+from preshard.format.plan import CPEntry, Plan, SeqDim, matches
+from preshard.plans.from_model import cp_plan_from_diffusers
 from preshard.runtime import collectives
 from preshard.runtime.cp_attention import CPGroups, cp_attention, neuron_flash_advice
 from preshard.runtime.devices import RankDevice
+from preshard.runtime.groups import MeshGroups
 from preshard.runtime.report import LoadReport
 
-# ---------------------------------------------------------------- the plan as plain data
+# ---------------------------------------------------------------- the plan
 
 
-def cp_plan_from_diffusers(plan: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Translate a diffusers `_cp_plan` (ContextParallelInput/Output objects) into preshard's plain form."""
-    result: dict[str, dict[str, Any]] = {}
-    for module, spec in plan.items():
-        entry: dict[str, Any] = {}
-        specs = spec if isinstance(spec, dict) else {None: spec}
-        for key, item in specs.items():
-            if hasattr(item, "gather_dim"):
-                entry["gather_output"] = {"dim": item.gather_dim, "expected_dims": item.expected_dims}
-            elif getattr(item, "split_output", False):
-                entry.setdefault("split_outputs", {})[str(key)] = _split(item)
-            elif hasattr(item, "split_dim"):
-                entry.setdefault("split_inputs", {})[str(key)] = _split(item)
-            else:
-                raise PreshardError(f"cp plan entry {module}.{key} is neither a split nor a gather")
-        result[module] = entry
-    return result
-
-
-def _split(item: Any) -> dict[str, Any]:
-    return {"dim": item.split_dim, "expected_dims": item.expected_dims}
-
-
-def resolve_cp_plan(model: nn.Module, plan: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def resolve_cp_plan(model: nn.Module, plan: Plan) -> dict[str, CPEntry]:
     """The preshard plan's `cp_plan`, else the model class's `_cp_plan`; an error if neither exists."""
-    if plan.get("cp_plan"):
-        return plan["cp_plan"]
+    if plan.cp_plan:
+        return plan.cp_plan
     declared = getattr(type(model), "_cp_plan", None)
     if declared:
         return cp_plan_from_diffusers(declared)
-    raise PreshardError(
+    raise PlanError(
         f"{type(model).__name__} declares no _cp_plan and the preshard plan has no cp_plan; "
         "add a cp_plan to the plan file, or load with ring=1, ulysses=1"
     )
@@ -82,6 +60,7 @@ class CPState:
     cp_order: list[int]  # cp rank of each member of the cp group, in group-rank order
     neuron: bool = False
     seq_len: int | None = None
+    padded: bool = False  # the one split length was padded up to a multiple of the CP size
     attention_rows: dict[str, int] = field(default_factory=dict)
     advised: set[int] = field(default_factory=set)
 
@@ -93,13 +72,19 @@ class CPState:
         return math.ceil(length / self.cp_size)
 
     def note_length(self, length: int, where: str) -> None:
+        """Padding works for one sequence per forward; several (Flux's text and image) must each divide evenly."""
         if self.seq_len is None:
-            self.seq_len = length
-        elif self.seq_len != length:
+            self.seq_len, self.padded = length, length % self.cp_size != 0
+        elif self.seq_len != length and (self.padded or length % self.cp_size):
             raise PreshardError(
-                f"context parallel: {where} has sequence length {length}, but this forward pass split "
-                f"{self.seq_len} rows earlier; every tensor the CP plan splits must share the sequence"
+                f"context parallel: {where} has sequence length {length}, and this forward pass split {self.seq_len} "
+                f"rows earlier; when sequences of different lengths are split, each must be a multiple of the CP "
+                f"size {self.cp_size}: pad the inputs"
             )
+
+    def attention_length(self, local_rows: int) -> int:
+        """The real length of the sequence an attention call sees (padding is cut only when there is one)."""
+        return self.seq_len if self.padded else local_rows * self.cp_size
 
 
 _ACTIVE_ATTENTION: contextvars.ContextVar[tuple[str, CPState, list[int]] | None] = contextvars.ContextVar(
@@ -136,7 +121,7 @@ def _gather_tensor(state: CPState, x: Any, dim: int, where: str) -> torch.Tensor
         rows = x.shape[dim]
         pieces = full.split(rows, dim)
         full = torch.cat([pieces[state.cp_order.index(c)] for c in range(len(pieces))], dim)
-    return full.narrow(dim, 0, state.seq_len)
+    return full.narrow(dim, 0, state.seq_len) if state.padded else full
 
 
 # ---------------------------------------------------------------- hooks
@@ -147,45 +132,43 @@ def _argument_positions(module: nn.Module) -> dict[str, int]:
     return {name: i for i, name in enumerate(params)}
 
 
-def _split_inputs_hook(state: CPState, name: str, specs: dict[str, dict[str, Any]], positions: dict[str, int]):
+def _split_inputs_hook(state: CPState, name: str, specs: dict[str, SeqDim], positions: dict[str, int]):
     def hook(module, args, kwargs):
         args = list(args)
         for arg, spec in specs.items():
-            where = f"{name}({arg})"
-            if arg in kwargs:
-                kwargs[arg] = _split_tensor(state, kwargs[arg], spec["dim"], spec.get("expected_dims"), where)
-            elif arg in positions and positions[arg] < len(args):
+            where = f"{name or type(module).__name__}({arg})"
+            if kwargs.get(arg) is not None:
+                kwargs[arg] = _split_tensor(state, kwargs[arg], spec.dim, spec.expected_dims, where)
+            elif arg in positions and positions[arg] < len(args) and args[positions[arg]] is not None:
                 i = positions[arg]
-                args[i] = _split_tensor(state, args[i], spec["dim"], spec.get("expected_dims"), where)
-            else:
-                raise PreshardError(f"context parallel: {name} was called without {arg!r}, which the CP plan splits")
+                args[i] = _split_tensor(state, args[i], spec.dim, spec.expected_dims, where)
+            # else: not passed (or None), so there is nothing of it to split
         return tuple(args), kwargs
 
     return hook
 
 
-def _split_outputs_hook(state: CPState, name: str, specs: dict[str, dict[str, Any]]):
+def _split_outputs_hook(state: CPState, name: str, specs: dict[int, SeqDim]):
     def hook(module, args, output):
         single = not isinstance(output, (tuple, list))
         items = [output] if single else list(output)
-        for key, spec in specs.items():
-            i = int(key)
-            items[i] = _split_tensor(state, items[i], spec["dim"], spec.get("expected_dims"), f"{name} output {i}")
+        for i, spec in specs.items():
+            items[i] = _split_tensor(state, items[i], spec.dim, spec.expected_dims, f"{name} output {i}")
         return items[0] if single else type(output)(items)
 
     return hook
 
 
-def _gather_hook(state: CPState, name: str, spec: dict[str, Any]):
+def _gather_hook(state: CPState, name: str, spec: SeqDim):
     def hook(module, args, output):
-        return _gather_tensor(state, output, spec["dim"], name)
+        return _gather_tensor(state, output, spec.dim, name)
 
     return hook
 
 
 def _reset_hook(state: CPState):
     def hook(module, args):
-        state.seq_len = None
+        state.seq_len, state.padded = None, False
         _ACTIVE_ATTENTION.set(None)  # in case an earlier forward raised inside an attention module
 
     return hook
@@ -234,7 +217,13 @@ def context_parallel_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_c
     if state.neuron:
         _advise_neuron(state, key.shape[2] * state.groups.ulysses_size)
     return cp_attention(
-        query, key, value, groups=state.groups, seq_len=state.seq_len, scale=scale, local_attention=_ORIGINAL_SDPA
+        query,
+        key,
+        value,
+        groups=state.groups,
+        seq_len=state.attention_length(query.shape[2]),
+        scale=scale,
+        local_attention=_ORIGINAL_SDPA,
     )
 
 
@@ -256,7 +245,7 @@ def install_sdpa_router() -> None:
 
 
 def attach_context_parallel(
-    model: nn.Module, plan: dict[str, Any], groups: MeshGroups, rank_device: RankDevice, report: LoadReport
+    model: nn.Module, plan: Plan, groups: MeshGroups, rank_device: RankDevice, report: LoadReport
 ) -> CPState:
     """Register the split/gather hooks and the attention wrappers; describe them in the report."""
     spec = groups.spec
@@ -273,37 +262,37 @@ def attach_context_parallel(
         neuron=rank_device.kind == "neuron",
     )
     cp_plan = resolve_cp_plan(model, plan)
+    attention = plan.context_parallel_attention()
+    if not attention:
+        raise PlanError("the plan marks no attention module for context parallelism; add one with context_parallel")
     modules = dict(model.named_modules())
     model.register_forward_pre_hook(_reset_hook(state))
     ranks = f"cp group {sorted(cp_members)}"
     for pattern, entry in cp_plan.items():
-        hits = [n for n in modules if n and matches(pattern, n)]
+        hits = [n for n in modules if matches(pattern, n)]
         if not hits:
-            raise PreshardError(f"cp plan entry {pattern!r} matches no module of {type(model).__name__}")
+            raise PlanError(f"cp plan entry {pattern!r} matches no module of {type(model).__name__}")
         for name in hits:
             module = modules[name]
-            if entry.get("split_inputs"):
-                hook = _split_inputs_hook(state, name, entry["split_inputs"], _argument_positions(module))
+            if entry.split_inputs:
+                hook = _split_inputs_hook(state, name, entry.split_inputs, _argument_positions(module))
                 module.register_forward_pre_hook(hook, with_kwargs=True)
-                for arg, s in entry["split_inputs"].items():
-                    report.add_hook(name, f"cp: split input {arg} dim {s['dim']} over {ranks}")
-            if entry.get("split_outputs"):
-                module.register_forward_hook(_split_outputs_hook(state, name, entry["split_outputs"]))
-                for key, s in entry["split_outputs"].items():
-                    report.add_hook(name, f"cp: split output {key} dim {s['dim']} over {ranks}")
-            if entry.get("gather_output"):
-                module.register_forward_hook(_gather_hook(state, name, entry["gather_output"]))
-                report.add_hook(name, f"cp: all-gather output dim {entry['gather_output']['dim']} over {ranks}")
+                for arg, s in entry.split_inputs.items():
+                    report.add_hook(name, f"cp: split input {arg} dim {s.dim} over {ranks}")
+            if entry.split_outputs:
+                module.register_forward_hook(_split_outputs_hook(state, name, entry.split_outputs))
+                for key, s in entry.split_outputs.items():
+                    report.add_hook(name, f"cp: split output {key} dim {s.dim} over {ranks}")
+            if entry.gather_output is not None:
+                module.register_forward_hook(_gather_hook(state, name, entry.gather_output))
+                report.add_hook(name, f"cp: all-gather output dim {entry.gather_output.dim} over {ranks}")
 
-    attention = [rule for rule in plan.get("attention", []) if rule.get("context_parallel", True)]
-    if not attention:
-        raise PreshardError("the plan marks no attention module for context parallelism; add one with context_parallel")
     install_sdpa_router()
     axes = [axis for axis in ("ulysses", "ring") if spec.size(axis) > 1]
     description = "cp: attention " + " + ".join(f"{axis} over group {groups.ranks[axis]}" for axis in axes)
     for rule in attention:
         for name, module in modules.items():
-            if name and matches(rule["match"], name):
+            if name and matches(rule.match, name):
                 module.register_forward_pre_hook(_attention_enter(state, name))
                 module.register_forward_hook(_attention_exit(state, name), always_call=True)
                 report.add_hook(name, description)

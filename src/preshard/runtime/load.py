@@ -1,5 +1,5 @@
-"""load_sharded: in each rank of a torchrun job, build the model, read this rank's shard onto its
-device, place the buffers no checkpoint holds, and attach the TP and CP forward hooks."""
+"""load_sharded: in each rank of a torchrun job, build the model, read this rank's shard onto its device,
+place the buffers no checkpoint holds, and attach the TP and CP forward hooks."""
 
 from __future__ import annotations
 
@@ -10,58 +10,101 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from preshard.errors import PreshardError
-from preshard.manifests.io import read_manifest
-from preshard.manifests.schema import Manifest
-from preshard.mesh import MeshGroups, MeshSpec, build_groups
-from preshard.plans.styles import Style
-from preshard.runtime.construct import build_model, check_against_manifest, divide_heads, localise_linear
+from preshard.errors import MismatchError, UsageError
+from preshard.format.dtypes import parse_cast
+from preshard.format.manifest import Manifest, read_manifest
+from preshard.format.mesh import MeshSpec
+from preshard.runtime.construct import (
+    build_model,
+    check_against_manifest,
+    check_config,
+    divide_heads,
+    localise,
+    read_checkpoint_config,
+)
 from preshard.runtime.devices import RankDevice, init_rank_device
+from preshard.runtime.groups import MeshGroups, build_groups
 from preshard.runtime.reader import ShardReader
 from preshard.runtime.report import REPORT_ATTRIBUTE, LoadReport
-from preshard.runtime.tp import make_row_parallel
+from preshard.runtime.tp import parallelize_linear
 
 
 def load_sharded(
     model: type | Callable[[], nn.Module] | nn.Module,
     checkpoint: str | Path,
     *,
-    device: str | torch.device | None = None,
-    dtype: torch.dtype | None = None,
+    mesh: MeshSpec | None = None,
+    cp: int | None = None,
     ring: int | None = None,
     ulysses: int | None = None,
     order: str | tuple[str, ...] | None = None,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
     verify: bool = False,
-    place_buffers: bool = True,
+    revision: str | None = None,
+    token: str | bool | None = None,
 ) -> nn.Module:
-    """Load this rank's shard of a converted checkpoint into `model` (a class, a factory or an instance).
+    """Load this rank's shard of a converted checkpoint into `model`, with the TP and CP hooks attached.
 
-    The TP degree is the checkpoint's; `ring`, `ulysses` and `order` default to the mesh it was
-    converted for and may be changed here, since context parallelism does not change the weights.
-    `dtype` casts floating parameters (not those the model keeps in float32). `verify` checks every
-    chunk this rank reads against its checksum. Every rank passes the same full inputs to the
-    returned model.
+    Every rank of the job calls this with the same arguments, then passes the same full inputs to the
+    returned model, which computes the unsharded model's function.
+
+    Args:
+        model: a model class (built from the checkpoint's config.json), a zero-argument factory, or an
+            instance (its parameters may be on the meta device).
+        checkpoint: the folder `convert-checkpoint` wrote, or a Hub repo id holding one.
+        mesh, cp, ring, ulysses, order: the CP layout to run (default: the one converted for). The TP degree is
+            the checkpoint's; CP does not change the weights, so it can differ from conversion time. Give a
+            `MeshSpec` or the keywords, not both.
+        device: "cpu", "cuda", "xla", "neuron" or a torch.device (default: CUDA if available, else CPU; XLA
+            only when PJRT_DEVICE names an accelerator).
+        dtype: cast floating parameters to bf16/fp16/fp32 (a string or torch dtype), except modules the model
+            keeps in float32.
+        verify: also check every chunk this rank reads against its xxh3_64 (the cheap structural and framing
+            checks always run).
+        revision, token: for a Hub repo.
+
+    Returns:
+        The model, with `model.preshard_report` describing what was read and which hooks sit where.
+
+    Raises:
+        CorruptCheckpointError: a damaged or edited checkpoint (manifest, data files, config.json).
+        MismatchError: the model, its config or the job's world size disagrees with the checkpoint.
+        UsageError, DeviceError, PlanError: bad arguments, an unavailable device, a plan that does not fit.
     """
+    return _load_sharded(
+        model, checkpoint, mesh=mesh, cp=cp, ring=ring, ulysses=ulysses, order=order, device=device, dtype=dtype,
+        verify=verify, revision=revision, token=token,
+    )  # fmt: skip
+
+
+def _load_sharded(
+    model, checkpoint, *, mesh, cp, ring, ulysses, order, device, dtype, verify, revision, token, place_buffers=True
+) -> nn.Module:
+    """`load_sharded`, with a switch tests use to leave buffers where the model put them."""
     start = time.perf_counter()
-    checkpoint = Path(checkpoint)
+    cast = parse_cast(dtype, "dtype=")
+    checkpoint = _local_checkpoint(checkpoint, revision, token)
     manifest = read_manifest(checkpoint)
+    config = read_checkpoint_config(checkpoint, manifest)
     rank_device = init_rank_device(device)
-    mesh = _load_mesh(manifest, rank_device, ring, ulysses, order)
-    groups = build_groups(mesh, rank_device.rank)
+    run_mesh = _run_mesh(manifest, rank_device, mesh, cp, ring, ulysses, order)
+    groups = build_groups(run_mesh, rank_device.rank)
     tp_rank = groups.coords["tp"]
 
-    net = build_model(model, checkpoint, manifest)
+    net = build_model(model, checkpoint, config)
     check_against_manifest(net, manifest)
-    report = _new_report(rank_device, mesh, groups, checkpoint)
-    _localise(net, manifest)
-    report.heads_divided = divide_heads(net, manifest.plan.get("attention", []), mesh.tp)
+    check_config(net, config)
+    report = _new_report(rank_device, run_mesh, groups, checkpoint)
+    sharded = localise(net, manifest)
+    report.heads_divided = divide_heads(net, manifest)
 
     keep_fp32 = list(getattr(type(net), "_keep_in_fp32_modules", None) or [])
     with ShardReader(checkpoint, manifest, tp_rank, verify=verify, pin=rank_device.pin_host_memory) as reader:
-        for name, tensor in manifest.tensors.items():
+        for name, record in manifest.tensors.items():
             local = torch.empty(
-                _local_shape(tensor.shape, tensor.shard_dim, mesh.tp),
-                dtype=_target_dtype(name, tensor.dtype, dtype, keep_fp32),
+                record.layout.local_shape(manifest.tp),
+                dtype=_target_dtype(name, record.layout.dtype, cast, keep_fp32),
                 device=rank_device.device,
             )
             reader.read(name, local)
@@ -72,8 +115,12 @@ def load_sharded(
     if place_buffers:
         report.buffers_placed = place_unloaded_buffers(net, manifest, rank_device.device)
     check_placement(net, rank_device.device)
-    _attach_tp(net, manifest, groups, report)
-    if mesh.cp > 1:
+    for module_name, module in sharded.items():
+        style = manifest.tensors[f"{module_name}.weight"].layout.style
+        description = parallelize_linear(module, style, groups.tp, tp_rank, manifest.tp)
+        if description is not None:
+            report.add_hook(module_name, description)
+    if run_mesh.cp > 1:
         from preshard.runtime.cp import attach_context_parallel
 
         attach_context_parallel(net, manifest.plan, groups, rank_device, report)
@@ -83,24 +130,38 @@ def load_sharded(
     return net
 
 
-def _load_mesh(manifest: Manifest, rank_device: RankDevice, ring, ulysses, order) -> MeshSpec:
-    saved = MeshSpec.from_dict(manifest.mesh)
-    if ring is None and ulysses is None:
-        ring, ulysses = saved.ring, saved.ulysses
-    mesh = MeshSpec(tp=saved.tp, ring=ring or 1, ulysses=ulysses or 1, order=order_tuple(order) or saved.order)
-    if mesh.world_size != rank_device.world_size:
-        raise PreshardError(
-            f"world size {rank_device.world_size} does not match the mesh {mesh.describe()} = {mesh.world_size} ranks; "
-            f"launch {mesh.world_size} ranks (torchrun --nproc-per-node {mesh.world_size}) or pass ring=/ulysses= "
-            f"whose product with tp={mesh.tp} is {rank_device.world_size}"
+def _local_checkpoint(checkpoint: str | Path, revision: str | None, token: str | bool | None) -> Path:
+    """A local checkpoint folder as given, or the files this rank needs of a pre-sharded Hub repo."""
+    path = Path(checkpoint)
+    if path.exists() or not isinstance(checkpoint, str):
+        if revision is not None:
+            raise UsageError(f"revision= applies to Hub repos, but {checkpoint} is a local path; drop revision=")
+        return path
+    from preshard.runtime.hub import fetch_rank_files
+
+    return fetch_rank_files(checkpoint, revision=revision, token=token)
+
+
+def _run_mesh(manifest: Manifest, rank_device: RankDevice, mesh, cp, ring, ulysses, order) -> MeshSpec:
+    saved = manifest.mesh
+    if mesh is not None:
+        if any(v is not None for v in (cp, ring, ulysses, order)):
+            raise UsageError("pass either mesh=MeshSpec(...) or cp/ring/ulysses/order, not both")
+        if mesh.tp != saved.tp:
+            raise MismatchError(
+                f"mesh tp={mesh.tp} differs from the checkpoint's tp={saved.tp}; reshard the checkpoint "
+                f"(preshard reshard IN OUT --tp {mesh.tp}) or pass a mesh with tp={saved.tp}"
+            )
+        run = mesh
+    else:
+        run = MeshSpec.build(saved.tp, cp, ring, ulysses, order, default=saved)
+    if run.world_size != rank_device.world_size:
+        raise MismatchError(
+            f"world size {rank_device.world_size} does not match the mesh {run.describe()} = {run.world_size} ranks; "
+            f"launch {run.world_size} ranks (torchrun --nproc-per-node {run.world_size}) or pass ring=/ulysses= "
+            f"whose product with tp={run.tp} is {rank_device.world_size}"
         )
-    return mesh
-
-
-def order_tuple(order: str | tuple[str, ...] | None) -> tuple[str, ...] | None:
-    if isinstance(order, str):
-        return tuple(p.strip() for p in order.split(",") if p.strip())
-    return tuple(order) if order else None
+    return run
 
 
 def _new_report(rank_device: RankDevice, mesh: MeshSpec, groups: MeshGroups, checkpoint: Path) -> LoadReport:
@@ -116,43 +177,16 @@ def _new_report(rank_device: RankDevice, mesh: MeshSpec, groups: MeshGroups, che
     )
 
 
-def _local_shape(shape: list[int], shard_dim: int | None, tp: int) -> list[int]:
-    local = list(shape)
-    if shard_dim is not None:
-        local[shard_dim] //= tp
-    return local
-
-
-def _target_dtype(name: str, stored: str, requested: torch.dtype | None, keep_fp32: list[str]) -> torch.dtype:
-    dtype = getattr(torch, stored)
-    if requested is None or not dtype.is_floating_point or dtype.itemsize == 1:
-        return dtype
+def _target_dtype(name: str, stored: torch.dtype, requested: torch.dtype | None, keep_fp32: list[str]) -> torch.dtype:
+    if requested is None or not stored.is_floating_point or stored.itemsize == 1:
+        return stored
     if any(part in name.split(".") for part in keep_fp32):
-        return dtype
+        return stored
     return requested
 
 
-def _split(name: str) -> tuple[str, str]:
-    module, _, leaf = name.rpartition(".")
-    return module, leaf
-
-
-def _localise(net: nn.Module, manifest: Manifest) -> None:
-    """Planned Linear layers take their local shapes before anything is allocated."""
-    shard_dims: dict[str, dict[str, int | None]] = {}
-    for name, tensor in manifest.tensors.items():
-        if tensor.shard_dim is not None:
-            module, leaf = _split(name)
-            shard_dims.setdefault(module, {})[leaf] = tensor.shard_dim
-    for module_name, dims in shard_dims.items():
-        module = net.get_submodule(module_name)
-        if not isinstance(module, nn.Linear):
-            raise PreshardError(f"the plan shards {module_name}, which is a {type(module).__name__}, not nn.Linear")
-        localise_linear(module, dims, manifest.tp)
-
-
 def _assign(net: nn.Module, name: str, value: torch.Tensor) -> None:
-    module_name, leaf = _split(name)
+    module_name, _, leaf = name.rpartition(".")
     module = net.get_submodule(module_name)
     if leaf in module._parameters:
         module._parameters[leaf] = nn.Parameter(value, requires_grad=False)
@@ -187,18 +221,4 @@ def check_placement(net: nn.Module, device: torch.device) -> None:
     ]
     if wrong:
         shown = ", ".join(wrong[:5]) + (f" and {len(wrong) - 5} more" if len(wrong) > 5 else "")
-        raise PreshardError(f"{len(wrong)} tensors are not on {device} after loading: {shown}")
-
-
-def _attach_tp(net: nn.Module, manifest: Manifest, groups: MeshGroups, report: LoadReport) -> None:
-    tp_rank = groups.coords["tp"]
-    for name, tensor in manifest.tensors.items():
-        style = Style(tensor.style)
-        if not name.endswith(".weight") or not style.input_sharded:
-            continue
-        module_name, _ = _split(name)
-        description = make_row_parallel(
-            net.get_submodule(module_name), groups.tp, tp_rank, manifest.tp,
-            slice_input=style is Style.REPLICATED_INPUT_ROWWISE,
-        )  # fmt: skip
-        report.add_hook(module_name, description)
+        raise MismatchError(f"{len(wrong)} tensors are not on {device} after loading: {shown}")

@@ -1,9 +1,11 @@
 """Read one TP rank's chunks straight onto its device, from the raw bytes the manifest locates.
 
-No pickle is read (neither `.metadata` nor the torch.save records): each chunk's bytes are read with
-positional reads into a host buffer (pinned where the device benefits), optionally hashed, and
-copied into the rank's parameter; one chunk is in host memory at a time. On the CPU the bytes land in
-the parameter itself with no staging copy.
+No pickle is read (neither `.metadata` nor the torch.save records): each chunk's record framing and raw
+bytes come in with one positional read, the framing into a small buffer and the bytes into the
+parameter itself on the CPU (or a host buffer, pinned where the device benefits). The framing is
+compared with the one the manifest's dtype and shape imply, always: a manifest that disagrees with the
+files about a chunk's dtype, shape or position fails here by name instead of loading wrong weights.
+`verify=True` also checks each chunk's xxh3_64.
 """
 
 from __future__ import annotations
@@ -14,11 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import xxhash
 
-from preshard.converter.safetensors_file import dtype_from_name, read_bytes_into
-from preshard.errors import ChecksumMismatch, PreshardError
-from preshard.manifests.schema import ChunkRecord, Manifest, TensorRecord
+from preshard.errors import ChecksumMismatch, CorruptCheckpointError
+from preshard.format.fileio import byte_view, pread_into
+from preshard.format.layout import ChunkRecord
+from preshard.format.manifest import Manifest, TensorRecord, chunk_digest
 
 
 @dataclass
@@ -36,56 +38,13 @@ def check_files(checkpoint: Path, manifest: Manifest, names: list[str]) -> None:
         path = checkpoint / name
         record = manifest.file(name)
         if not path.is_file():
-            raise PreshardError(f"data file {path} is missing; copy the whole checkpoint folder again")
+            raise CorruptCheckpointError(f"data file {path} is missing; copy the whole checkpoint folder again")
         size = path.stat().st_size
         if size != record.size:
-            raise PreshardError(
+            raise CorruptCheckpointError(
                 f"data file {path} is {size} bytes, the manifest says {record.size}: it is truncated or "
                 "damaged; copy it again"
             )
-
-
-def local_offset(tensor: TensorRecord, chunks: list[ChunkRecord], chunk: ChunkRecord) -> int:
-    """Where `chunk` starts along the shard dim of the local tensor: this rank's chunks, in global order."""
-    if tensor.shard_dim is None:
-        return 0
-    d = tensor.shard_dim
-    return sum(c.sizes[d] for c in chunks if c.offsets[d] < chunk.offsets[d])
-
-
-def read_tensor(
-    fds: dict[str, int],
-    checkpoint: Path,
-    tensor: TensorRecord,
-    chunks: list[ChunkRecord],
-    out: torch.Tensor,
-    stats: ReadStats,
-    *,
-    verify: bool,
-    pin: bool,
-) -> None:
-    """Fill `out` (the local tensor on the rank's device) from this rank's chunks of `tensor`."""
-    dtype = dtype_from_name(tensor.dtype)
-    for chunk in chunks:
-        start = local_offset(tensor, chunks, chunk)
-        target = out if tensor.shard_dim is None else out.narrow(tensor.shard_dim, start, chunk.sizes[tensor.shard_dim])
-        direct = target.device.type == "cpu" and target.is_contiguous() and target.dtype == dtype
-        if direct:
-            host = target.reshape(-1).view(torch.uint8)
-        else:
-            host = torch.empty(chunk.data_length, dtype=torch.uint8, pin_memory=pin)
-        if host.numel() != chunk.data_length:
-            raise PreshardError(f"{tensor.name}: a chunk holds {chunk.data_length} bytes, expected {host.numel()}")
-        read_bytes_into(fds[chunk.file], chunk.data_offset, host)
-        if verify and xxhash.xxh3_64_hexdigest(host.numpy()) != chunk.xxh3_64:
-            raise ChecksumMismatch(
-                f"checksum mismatch in {checkpoint / chunk.file} for {tensor.name} "
-                f"(bytes {chunk.data_offset}..{chunk.data_offset + chunk.data_length}); the file is damaged"
-            )
-        if not direct:
-            target.copy_(host.view(dtype).reshape(chunk.sizes), non_blocking=pin)
-        stats.bytes_read += chunk.data_length
-        stats.chunks += 1
 
 
 class ShardReader:
@@ -99,10 +58,6 @@ class ShardReader:
         self.pin = pin
         self.stats = ReadStats(files=manifest.files_for_tp_rank(tp_rank), verified=verify)
         check_files(checkpoint, manifest, self.stats.files)
-        if verify:  # the chunks must tile this rank's tensors, or part of a parameter would stay unset
-            from preshard.manifests.verify import check_rank_layout
-
-            check_rank_layout(manifest, tp_rank)
         self.fds: dict[str, int] = {}
 
     def __enter__(self) -> ShardReader:
@@ -111,13 +66,42 @@ class ShardReader:
             self.fds[name] = os.open(self.checkpoint / name, os.O_RDONLY)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         for fd in self.fds.values():
             os.close(fd)
         self.stats.seconds = time.perf_counter() - self._start
 
     def read(self, name: str, out: torch.Tensor) -> None:
-        read_tensor(
-            self.fds, self.checkpoint, self.manifest.tensors[name], self.chunks[name], out, self.stats,
-            verify=self.verify, pin=self.pin,
-        )  # fmt: skip
+        """Fill `out` (the local tensor on the rank's device) from this rank's chunks of `name`."""
+        record = self.manifest.tensors[name]
+        for chunk in self.chunks[name]:
+            self._read_chunk(record, chunk, out)
+
+    def _read_chunk(self, record: TensorRecord, chunk: ChunkRecord, out: torch.Tensor) -> None:
+        layout = record.layout
+        d = layout.shard_dim
+        target = out if d is None else out.narrow(d, layout.local_start(chunk.box, self.manifest.tp), chunk.sizes[d])
+        direct = target.device.type == "cpu" and target.is_contiguous() and target.dtype == layout.dtype
+        if direct:
+            host = target
+        else:
+            host = torch.empty(chunk.sizes, dtype=layout.dtype, pin_memory=self.pin)
+        data = byte_view(host)
+        header = bytearray(len(chunk.framing.header))
+        path = self.checkpoint / chunk.file
+        pread_into(self.fds[chunk.file], chunk.offset, [header, data], str(path))
+        if header != chunk.framing.header:
+            raise CorruptCheckpointError(
+                f"{path}: the record of {layout.name} at byte {chunk.offset} does not frame a "
+                f"{str(layout.dtype).removeprefix('torch.')} chunk of shape {list(chunk.sizes)} as the manifest says; "
+                "the checkpoint is damaged or its manifest edited: convert it again"
+            )
+        if self.verify and chunk_digest(data) != chunk.xxh3_64:
+            raise ChecksumMismatch(
+                f"checksum mismatch in {path} for {layout.name} "
+                f"(bytes {chunk.data_offset}..{chunk.data_offset + chunk.data_length}); the file is damaged"
+            )
+        if not direct:
+            target.copy_(host, non_blocking=self.pin)
+        self.stats.bytes_read += chunk.data_length
+        self.stats.chunks += 1

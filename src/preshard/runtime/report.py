@@ -41,7 +41,7 @@ class LoadReport:
         return sorted(m for m, hooks in self.hooks.items() if any(text in h for h in hooks))
 
     def summary(self) -> str:
-        from preshard.manifests.report import human_bytes
+        from preshard.units import human_bytes
 
         return (
             f"rank {self.rank}/{self.world_size} {self.coords} on {self.device}: read {human_bytes(self.bytes_read)} "

@@ -4,26 +4,45 @@ Ranks are laid out row-major over `order`, the last axis varying fastest. With t
 `("tp", "ring", "ulysses")` Ulysses groups are contiguous ranks, which Neuron's all-to-all requires;
 TP's all-reduce accepts strided groups. The CP rank (position in the sequence) is always
 `ring * ulysses_size + ulysses`, whatever the physical order, so the sequence layout never depends
-on how ranks are placed.
+on how ranks are placed. Pure arithmetic: process groups are built by `preshard.runtime.groups`.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Any
 
-from preshard.errors import PreshardError
-
-if TYPE_CHECKING:
-    from torch.distributed import ProcessGroup
+from preshard.errors import UsageError
 
 AXES = ("tp", "ring", "ulysses")
 DEFAULT_ORDER = AXES
 
 
+def _whole(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UsageError(f"{name} must be a whole number >= 1, got {value!r}")
+    return value
+
+
+def parse_order(order: str | tuple[str, ...] | list[str] | None) -> tuple[str, ...] | None:
+    """`"tp,ring,ulysses"` or a sequence of axis names; None means "not given" (an empty string is an error)."""
+    if order is None:
+        return None
+    parts = order.split(",") if isinstance(order, str) else list(order)
+    names = tuple(p.strip() if isinstance(p, str) else p for p in parts)
+    if sorted(map(str, names)) != sorted(AXES) or not all(isinstance(n, str) for n in names):
+        raise UsageError(
+            f"mesh order {order!r} must name each of tp, ring, ulysses exactly once "
+            "(for example --order tp,ring,ulysses)"
+        )
+    return names
+
+
 @dataclass(frozen=True)
 class MeshSpec:
+    """A TP x ring x Ulysses mesh. `cp = ring * ulysses`; world size = tp * cp."""
+
     tp: int = 1
     ring: int = 1
     ulysses: int = 1
@@ -31,38 +50,50 @@ class MeshSpec:
 
     def __post_init__(self) -> None:
         for axis in AXES:
-            size = getattr(self, axis)
-            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-                raise PreshardError(f"--{axis} must be a whole number >= 1, got {size!r}")
-        order = tuple(self.order)
-        if sorted(order) != sorted(AXES):
-            raise PreshardError(
-                f"mesh order {','.join(order)} must name each of tp, ring, ulysses exactly once "
-                "(for example --order tp,ring,ulysses)"
-            )
-        object.__setattr__(self, "order", order)
+            _whole(getattr(self, axis), f"--{axis}")
+        object.__setattr__(self, "order", parse_order(self.order))
 
     @classmethod
-    def from_cli(
+    def build(
         cls,
-        tp: int,
+        tp: int | None = None,
         cp: int | None = None,
         ring: int | None = None,
         ulysses: int | None = None,
         order: str | tuple[str, ...] | None = None,
+        *,
+        default: MeshSpec | None = None,
     ) -> MeshSpec:
-        """`--cp N` means ulysses=N, ring=1; `--ring`/`--ulysses` set the split explicitly."""
+        """A mesh from the keywords users pass (CLI flags or Python), each validated.
+
+        `cp=N` alone means Ulysses N; `ring`/`ulysses` set the split explicitly and must agree with `cp` if
+        both are given. Keywords left as None take their value from `default` (else 1 / the default order).
+
+        Raises:
+            UsageError: a size that is not a whole number >= 1, `cp` disagreeing with ring x ulysses, or an
+                order that does not name each axis once.
+        """
+        for value, name in ((tp, "--tp"), (cp, "--cp"), (ring, "--ring"), (ulysses, "--ulysses")):
+            if value is not None:
+                _whole(value, name)
+        base = default or cls()
         if cp is not None and (ring is not None or ulysses is not None):
             if (ring or 1) * (ulysses or 1) != cp:
-                raise PreshardError(
+                raise UsageError(
                     f"--cp {cp} disagrees with --ring {ring or 1} x --ulysses {ulysses or 1}; "
                     "give either --cp or --ring/--ulysses"
                 )
         if ring is None and ulysses is None:
-            ring, ulysses = 1, (cp if cp is not None else 1)
-        if isinstance(order, str):
-            order = tuple(part.strip() for part in order.split(",") if part.strip())
-        return cls(tp=tp, ring=ring or 1, ulysses=ulysses or 1, order=order or DEFAULT_ORDER)
+            if cp is not None:
+                ring, ulysses = 1, cp
+            else:
+                ring, ulysses = base.ring, base.ulysses
+        return cls(
+            tp=tp if tp is not None else base.tp,
+            ring=ring if ring is not None else 1,
+            ulysses=ulysses if ulysses is not None else 1,
+            order=parse_order(order) or base.order,
+        )
 
     @property
     def cp(self) -> int:
@@ -77,7 +108,7 @@ class MeshSpec:
 
     def coords(self, rank: int) -> dict[str, int]:
         if not 0 <= rank < self.world_size:
-            raise PreshardError(f"rank {rank} is outside a mesh of world size {self.world_size}")
+            raise UsageError(f"rank {rank} is outside a mesh of world size {self.world_size}")
         coords: dict[str, int] = {}
         for axis in reversed(self.order):
             rank, coords[axis] = divmod(rank, self.size(axis))
@@ -88,7 +119,7 @@ class MeshSpec:
         rank = 0
         for axis in self.order:
             if not 0 <= coords[axis] < self.size(axis):
-                raise PreshardError(f"{axis} coordinate {coords[axis]} is outside 0..{self.size(axis) - 1}")
+                raise UsageError(f"{axis} coordinate {coords[axis]} is outside 0..{self.size(axis) - 1}")
             rank = rank * self.size(axis) + coords[axis]
         return rank
 
@@ -100,7 +131,7 @@ class MeshSpec:
         """Rank groups along `axis` ("tp", "ring", "ulysses" or "cp" = ring x ulysses), each in axis order."""
         varying = ("ring", "ulysses") if axis == "cp" else (axis,)
         if any(a not in AXES for a in varying):
-            raise PreshardError(f"unknown mesh axis {axis!r}; use one of tp, ring, ulysses, cp")
+            raise UsageError(f"unknown mesh axis {axis!r}; use one of tp, ring, ulysses, cp")
         fixed = [a for a in AXES if a not in varying]
         result = []
         for fixed_values in itertools.product(*(range(self.size(a)) for a in fixed)):
@@ -115,49 +146,17 @@ class MeshSpec:
     def group_of(self, axis: str, rank: int) -> list[int]:
         return next(g for g in self.groups(axis) if rank in g)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {"tp": self.tp, "ring": self.ring, "ulysses": self.ulysses, "order": list(self.order)}
 
     @classmethod
-    def from_dict(cls, data: dict) -> MeshSpec:
-        return cls(
-            tp=data["tp"],
-            ring=data.get("ring", 1),
-            ulysses=data.get("ulysses", 1),
-            order=tuple(data.get("order", DEFAULT_ORDER)),
-        )
+    def from_dict(cls, data: Any) -> MeshSpec:
+        """Parse the manifest's `mesh` object (every key required)."""
+        if not isinstance(data, dict) or set(data) != {"tp", "ring", "ulysses", "order"}:
+            raise UsageError("mesh must be an object with exactly tp, ring, ulysses and order")
+        if not isinstance(data["order"], list):
+            raise UsageError("mesh order must be a list of axis names")
+        return cls(tp=data["tp"], ring=data["ring"], ulysses=data["ulysses"], order=tuple(data["order"]))
 
     def describe(self) -> str:
         return f"tp={self.tp} x ring={self.ring} x ulysses={self.ulysses} (order {','.join(self.order)})"
-
-
-@dataclass
-class MeshGroups:
-    """This rank's process groups on a mesh, built collectively by every rank."""
-
-    spec: MeshSpec
-    rank: int
-    tp: ProcessGroup | None
-    ring: ProcessGroup | None
-    ulysses: ProcessGroup | None
-    cp: ProcessGroup | None
-    ranks: dict[str, list[int]] = field(default_factory=dict)
-
-    @property
-    def coords(self) -> dict[str, int]:
-        return self.spec.coords(self.rank)
-
-
-def build_groups(spec: MeshSpec, rank: int) -> MeshGroups:
-    """Create every group of every axis (new_group is collective: all ranks create all groups, same order)."""
-    import torch.distributed as dist
-
-    made: dict[str, ProcessGroup | None] = {}
-    ranks: dict[str, list[int]] = {}
-    for axis in ("tp", "ring", "ulysses", "cp"):
-        made[axis] = None
-        for members in spec.groups(axis):
-            group = dist.new_group(members) if len(members) > 1 else None
-            if rank in members:
-                made[axis], ranks[axis] = group, members
-    return MeshGroups(spec=spec, rank=rank, ranks=ranks, **made)

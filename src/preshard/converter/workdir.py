@@ -1,0 +1,195 @@
+"""The conversion's working folder: an exclusive lock, a journal for resuming, and an atomic commit.
+
+Everything is written into a hidden sibling `.<out>.partial/`, guarded by an exclusive `flock` on
+`.<out>.lock` for the whole run (a second conversion into the same output fails at once naming the
+first one's pid, or waits; the kernel drops the lock of a process that dies, so no lock goes stale).
+A journal records each finished tensor with its chunk checksums once its bytes are durable (batched
+fsyncs). A re-run of the same job re-checks the journalled records completely, framing and data, keeps
+what is intact and redoes the rest. Only when every file is complete and fsynced, the manifest written
+last, is the folder renamed into place: a crash leaves no output or the previous complete one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from preshard.errors import OutputError
+from preshard.format.jsonio import fsync_dir
+
+JOURNAL_NAME = "journal.jsonl"
+JOB_NAME = "job.json"
+
+
+def partial_dir(output: Path) -> Path:
+    return output.parent / f".{output.name}.partial"
+
+
+def lock_path(output: Path) -> Path:
+    return output.parent / f".{output.name}.lock"
+
+
+def check_output(output: Path, source_paths: list[Path], overwrite: bool) -> Path:
+    """The output folder to write, resolved; refuse what cannot work before anything is written.
+
+    Raises:
+        OutputError: the output is a file, overlaps the source, exists without `overwrite`, is the current
+            directory or a symlink, or its parent folder is missing.
+    """
+    given = output
+    if str(given) in ("", ".", "..") or Path(given).resolve() == Path.cwd().resolve():
+        raise OutputError(f"output {given} is the current folder; name a new folder for the converted checkpoint")
+    if output.is_symlink():
+        raise OutputError(f"output {given} is a symbolic link; pass the real folder it points to, or a new path")
+    if output.exists() and not output.is_dir():
+        raise OutputError(f"output {given} is a file; pass a directory path for the converted checkpoint")
+    if not output.parent.is_dir():
+        raise OutputError(f"the parent folder of {given} does not exist; create it first")
+    out = output.resolve()
+    for source in source_paths:
+        source = source.resolve()
+        if out == source or out in source.parents or source in out.parents:
+            raise OutputError(f"output {given} overlaps the source {source}; write the conversion elsewhere")
+    if output.exists() and any(output.iterdir()) and not overwrite:
+        raise OutputError(f"output {given} already exists; pass --overwrite to replace it")
+    return out
+
+
+class OutputLock:
+    """An exclusive lock on one output path for the duration of a conversion."""
+
+    def __init__(self, output: Path, wait: bool = False) -> None:
+        self.path = lock_path(output)
+        self.output = output
+        self.wait = wait
+        self.fd = -1
+
+    def __enter__(self) -> OutputLock:
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if self.wait else fcntl.LOCK_NB))
+            except BlockingIOError:
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise OutputError(
+                    f"another conversion (pid {holder}) is writing {self.output}; wait for it to finish, or pass --wait"
+                ) from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:  # else the holder removed the file as we waited on it: lock the new one
+                break
+            os.close(fd)
+        self.fd = fd
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fd >= 0:
+            try:  # unlinked while still held, so a waiter notices (see __enter__) and no lock file is left behind
+                os.unlink(self.path)
+            except OSError:
+                pass
+            os.close(self.fd)
+            self.fd = -1
+
+
+def open_workdir(work: Path, job: str) -> bool:
+    """Make sure `work` exists for `job`; True when it holds an earlier run of the same job to resume."""
+    if work.is_symlink() or (work.exists() and not work.is_dir()):
+        work.unlink()
+    if work.is_dir():
+        try:
+            same = json.loads((work / JOB_NAME).read_text()).get("job") == job
+        except (OSError, ValueError, AttributeError):
+            same = False
+        if same:
+            return True
+        shutil.rmtree(work)
+    work.mkdir()
+    (work / JOB_NAME).write_text(json.dumps({"job": job}))
+    return False
+
+
+def read_journal(work: Path) -> list[dict]:
+    """The journal's complete lines (a line cut short by a crash, and everything after it, is dropped)."""
+    try:
+        text = (work / JOURNAL_NAME).read_text()
+    except OSError:
+        return []
+    entries = []
+    for line in text.split("\n")[:-1]:  # the last element is "" after a complete line, a fragment otherwise
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            break
+        if not isinstance(entry, dict):
+            break
+        entries.append(entry)
+    return entries
+
+
+class Journal:
+    """Appends one line per finished tensor, each line flushed and fsynced."""
+
+    def __init__(self, work: Path, keep_lines: int) -> None:
+        path = work / JOURNAL_NAME
+        lines = path.read_text().split("\n")[:keep_lines] if path.exists() else []
+        with open(path, "w") as f:
+            f.write("".join(line + "\n" for line in lines))
+            f.flush()
+            os.fsync(f.fileno())
+        self.file = open(path, "a")
+
+    def append(self, entries: list[dict]) -> None:
+        if entries:
+            self.file.write("".join(json.dumps(e) + "\n" for e in entries))
+            self.file.flush()
+            os.fsync(self.file.fileno())
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directories in one atomic step (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def commit(work: Path, output: Path) -> None:
+    """Rename the finished folder into place. An existing output is swapped out atomically where the system can
+    (a crash leaves the old or the new checkpoint at `output`, never neither), else moved aside first; either way
+    the old one is then removed."""
+    fsync_dir(work)
+    if output.exists() and _exchange(work, output):
+        shutil.rmtree(work)  # now the previous output
+    elif output.exists():
+        retired = output.parent / f".{output.name}.replaced-{os.getpid()}-{time.monotonic_ns()}"
+        os.rename(output, retired)
+        os.rename(work, output)
+        shutil.rmtree(retired)
+    else:
+        os.rename(work, output)
+    fsync_dir(output.parent)

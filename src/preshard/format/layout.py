@@ -1,0 +1,190 @@
+"""Where every byte of a converted checkpoint lies, derived from the plan and the tensor shapes alone.
+
+`TensorLayout` is one tensor's resolved plan: its style, the dimension that style splits, the packed
+block sizes, its global shape and dtypes. From it follow the chunks (`Box`es) each TP rank keeps, the
+local shape, and where each chunk sits in the rank's local tensor.
+
+`place_records` then decides, before a byte is written, which data file holds each chunk and at which
+offset: each TP rank's chunks go to that rank's file; a replicated tensor is stored once, in the file
+holding the fewest bytes so far. Records are torch.save framings of known length, so every offset and
+every file size is known up front. That is what lets parallel writers fill their files independently,
+a resume trust nothing but checksums, and a dry run report exact sizes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from preshard.errors import PlanError
+from preshard.format.styles import REPLICATE, Box, Style
+from preshard.format.torch_record import RecordFraming, record_framing
+
+DATA_FILE_PATTERN = "__{}_0.distcp"
+
+
+def data_file_name(tp_rank: int) -> str:
+    """torch DCP's own naming (`__<rank>_<index>.distcp`), one file per TP rank."""
+    return DATA_FILE_PATTERN.format(tp_rank)
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """One tensor's resolved plan. Build it with `TensorLayout.make`, which derives and checks the rest."""
+
+    name: str
+    style: Style
+    shard_dim: int | None
+    blocks: tuple[int, ...] | None  # absolute block sizes along shard_dim (one block unless packed)
+    shape: tuple[int, ...]
+    dtype: torch.dtype  # as stored (after any --dtype cast)
+    source_dtype: torch.dtype
+
+    @classmethod
+    def make(
+        cls, name: str, style: Style, shape: tuple[int, ...], dtype: torch.dtype, source_dtype: torch.dtype
+    ) -> TensorLayout:
+        """Derive the shard dim and blocks of `name` under `style`.
+
+        Raises:
+            PlanError: the style names a tensor that is not a Linear weight `[out, in]` or bias `[out]`.
+        """
+        shape = tuple(shape)
+        if style.name == REPLICATE.name:
+            return cls(name, style, None, None, shape, dtype, source_dtype)
+        param = name.rpartition(".")[2]
+        if param not in ("weight", "bias") or len(shape) != (2 if param == "weight" else 1):
+            raise PlanError(
+                f"{style.name} names {name} of shape {list(shape)}, which is not a Linear weight [out, in] or "
+                "bias [out]; point the rule at Linear modules only"
+            )
+        dim = style.shard_dim(param)
+        if dim is None or shape[dim] == 0:  # a rowwise bias, or nothing to split
+            return cls(name, style, None, None, shape, dtype, source_dtype)
+        blocks = style.block_sizes(shape[dim], f"{name} dim {dim}")
+        return cls(name, style, dim, blocks, shape, dtype, source_dtype)
+
+    @property
+    def sharded(self) -> bool:
+        return self.shard_dim is not None
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def split_sizes(self) -> list[tuple[str, int]]:
+        """What must divide by the TP degree: (description, size) of each block of the split dimension."""
+        if self.shard_dim is None:
+            return []
+        where = f"{self.name} dim {self.shard_dim}" + (" block" if len(self.blocks or ()) > 1 else "")
+        return [(where, b) for b in self.blocks or ()]
+
+    def boxes(self, tp: int, tp_rank: int) -> list[Box]:
+        """The chunks TP rank `tp_rank` keeps: its 1/tp of the split dimension, separately inside each block."""
+        if self.shard_dim is None:
+            return [((0,) * len(self.shape), self.shape)]
+        d, chunks, start = self.shard_dim, [], 0
+        for block in self.blocks or ():
+            local = block // tp
+            offsets, sizes = [0] * len(self.shape), list(self.shape)
+            offsets[d], sizes[d] = start + tp_rank * local, local
+            chunks.append((tuple(offsets), tuple(sizes)))
+            start += block
+        return chunks
+
+    def all_boxes(self, tp: int) -> list[tuple[int | None, Box]]:
+        """Every chunk with its owning TP rank (None: replicated), in canonical order (by offsets)."""
+        if self.shard_dim is None:
+            return [(None, self.boxes(tp, 0)[0])]
+        owned = [(r, box) for r in range(tp) for box in self.boxes(tp, r)]
+        return sorted(owned, key=lambda item: item[1][0])
+
+    def local_shape(self, tp: int) -> tuple[int, ...]:
+        if self.shard_dim is None:
+            return self.shape
+        out = list(self.shape)
+        out[self.shard_dim] //= tp
+        return tuple(out)
+
+    def local_start(self, box: Box, tp: int) -> int:
+        """Where chunk `box` starts along the shard dim of its rank's local tensor (its blocks, in order)."""
+        if self.shard_dim is None:
+            return 0
+        d = self.shard_dim
+        start = position = 0
+        for block in self.blocks or ():
+            local = block // tp
+            if start <= box[0][d] < start + block:
+                return position
+            start += block
+            position += local
+        raise ValueError(f"{self.name}: chunk {box} lies in no block")
+
+
+@dataclass(frozen=True)
+class ChunkRecord:
+    """One chunk and where its torch.save record lies: file, byte offset, framing (hence length), checksum."""
+
+    tensor: str
+    owner: int | None  # TP rank, or None for a replicated tensor (read by every rank)
+    box: Box
+    file: str
+    offset: int
+    framing: RecordFraming
+    xxh3_64: str = ""  # of the chunk's raw bytes; empty until written
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        return self.box[0]
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return self.box[1]
+
+    @property
+    def data_offset(self) -> int:
+        return self.offset + self.framing.data_offset
+
+    @property
+    def data_length(self) -> int:
+        return self.framing.data_length
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.framing.length
+
+
+@dataclass(frozen=True)
+class FileLayout:
+    """Every record of every data file, decided before anything is written."""
+
+    tp: int
+    chunks: dict[str, list[ChunkRecord]]  # tensor -> its chunks in canonical order
+    file_sizes: list[int]  # by TP rank
+
+    def by_file(self) -> dict[str, list[ChunkRecord]]:
+        """Each file's records in file order."""
+        files: dict[str, list[ChunkRecord]] = {data_file_name(r): [] for r in range(self.tp)}
+        for chunks in self.chunks.values():
+            for c in chunks:
+                files[c.file].append(c)
+        return {name: sorted(records, key=lambda c: c.offset) for name, records in files.items()}
+
+
+def place_records(layouts: Iterable[TensorLayout], tp: int) -> FileLayout:
+    """Place every chunk of `layouts` (in the order they will be written) in the TP rank files."""
+    sizes = [0] * tp
+    placed: dict[str, list[ChunkRecord]] = {}
+    for layout in layouts:
+        replica_file = min(range(tp), key=lambda r: (sizes[r], r))
+        chunks = []
+        for owner, box in layout.all_boxes(tp):
+            rank = replica_file if owner is None else owner
+            framing = record_framing(layout.dtype, box[1])
+            chunks.append(ChunkRecord(layout.name, owner, box, data_file_name(rank), sizes[rank], framing))
+            sizes[rank] += framing.length
+        placed[layout.name] = chunks
+    return FileLayout(tp, placed, sizes)

@@ -1,0 +1,541 @@
+"""The manifest: the contract between converter, runtime and tools, parsed and validated in one place.
+
+`manifest.json` is plain JSON; in memory it is a `Manifest` of typed, frozen records. Every reader goes
+through `read_manifest` / `Manifest.from_dict`, which trusts no field alone:
+
+- a digest (xxh3_128 of the canonical JSON of everything else) catches any edit or damage at once;
+- independently of it, every fact that follows from another is re-derived and compared: the plan is
+  resolved again against the recorded tensor names and shapes and must give the recorded style, shard
+  dim and blocks; a style gives the exact chunk boxes each TP rank owns; a chunk's box gives its owner and
+  so its file; dtype and shape give each torch.save record's length, and the records must tile each data
+  file exactly; the mesh gives the rank table; the cast gives each tensor's stored dtype.
+
+So a manifest that parses describes a checkpoint in which every rank's local tensors are covered exactly
+once. What it cannot show (that the files hold those bytes) the runtime checks cheaply at every load (file
+sizes, each record's framing, config.json's hash) and with `verify=True` per chunk (xxh3_64).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+
+from preshard.errors import CorruptCheckpointError, PlanError, PreshardError, UsageError
+from preshard.format.dtypes import CAST_TARGETS, cast_dtype, dtype_from_name, dtype_name
+from preshard.format.jsonio import canonical_json, read_json
+from preshard.format.layout import ChunkRecord, TensorLayout, data_file_name
+from preshard.format.mesh import MeshSpec
+from preshard.format.plan import Plan, resolve_plan
+from preshard.format.styles import make_style
+from preshard.format.torch_record import RECORD_FRAMING_VERSION, record_framing
+
+MANIFEST_FORMAT = "preshard-manifest"
+MANIFEST_VERSION = 2
+MANIFEST_NAME = "manifest.json"
+CONFIG_NAME = "config.json"
+DCP_METADATA_NAME = ".metadata"
+FILE_CHECKSUM = "xxh3_128"
+CHUNK_CHECKSUM = "xxh3_64"
+SOURCE_KINDS = ("file", "folder", "hub")
+_HEX16 = re.compile(r"^[0-9a-f]{16}$")
+_HEX32 = re.compile(r"^[0-9a-f]{32}$")
+
+
+def file_digest() -> xxhash.xxh3_128:
+    """The whole-file checksum (data files, config.json, source files)."""
+    return xxhash.xxh3_128()
+
+
+def chunk_digest(data) -> str:
+    """The per-chunk checksum of a chunk's raw bytes."""
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Records
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    layout: TensorLayout
+    chunks: tuple[ChunkRecord, ...]
+
+    @property
+    def name(self) -> str:
+        return self.layout.name
+
+    def to_dict(self) -> dict[str, Any]:
+        layout = self.layout
+        return {
+            **layout.style.to_dict(),
+            "shard_dim": layout.shard_dim,
+            "split_blocks": list(layout.blocks) if layout.blocks is not None else None,
+            "shape": list(layout.shape),
+            "dtype": dtype_name(layout.dtype),
+            "source_dtype": dtype_name(layout.source_dtype),
+            "chunks": [
+                {"offsets": list(c.offsets), "sizes": list(c.sizes), "file": c.file, "offset": c.offset,
+                 "xxh3_64": c.xxh3_64}
+                for c in self.chunks
+            ],
+        }  # fmt: skip
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    name: str
+    size: int
+    xxh3_128: str
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    """A source safetensors file: its size, hash, and raw header text (so `unshard` can rebuild it bit for bit)."""
+
+    name: str
+    size: int
+    xxh3_128: str
+    header: str
+
+
+@dataclass(frozen=True)
+class Source:
+    kind: str  # file | folder | hub
+    path: str  # as given (a repo id for the Hub)
+    files: tuple[SourceFile, ...]
+    index_name: str | None = None
+    index_text: str | None = None
+    repo_id: str | None = None
+    subfolder: str | None = None
+    revision: str | None = None  # as requested
+    commit: str | None = None  # as resolved
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Where a resharded checkpoint came from."""
+
+    kind: str  # reshard
+    checkpoint: str
+    mesh: dict[str, Any]
+    digest: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    source: Source
+    mesh: MeshSpec
+    plan: Plan
+    tensors: dict[str, TensorRecord]
+    files: tuple[FileRecord, ...]
+    config: FileRecord | None = None
+    dtype: torch.dtype | None = None  # the cast applied to floating tensors, if any
+    derived_from: Provenance | None = None
+    preshard_version: str = ""
+    created: str = ""
+    digest: str = ""
+
+    @property
+    def tp(self) -> int:
+        return self.mesh.tp
+
+    def chunks_for_tp_rank(self, tp_rank: int) -> dict[str, list[ChunkRecord]]:
+        """What one TP rank reads: its own chunks plus every replicated tensor."""
+        return {name: [c for c in record.chunks if c.owner in (None, tp_rank)] for name, record in self.tensors.items()}
+
+    def files_for_tp_rank(self, tp_rank: int) -> list[str]:
+        names = {c.file for chunks in self.chunks_for_tp_rank(tp_rank).values() for c in chunks}
+        return [f.name for f in self.files if f.name in names]
+
+    def file(self, name: str) -> FileRecord:
+        return next(f for f in self.files if f.name == name)
+
+    def rank_table(self) -> list[dict[str, Any]]:
+        """rank -> coordinates -> the data files it reads, for every rank of the converted mesh."""
+        files = {r: self.files_for_tp_rank(r) for r in range(self.tp)}
+        table = []
+        for rank in range(self.mesh.world_size):
+            coords = self.mesh.coords(rank)
+            table.append({"rank": rank, "coords": coords, "files": files[coords["tp"]]})
+        return table
+
+    def with_mesh(self, mesh: MeshSpec, derived_from: Provenance | None = None) -> Manifest:
+        """The same weights described for another CP layout (tp must not change); digest recomputed."""
+        if mesh.tp != self.tp:
+            raise UsageError(f"a manifest for tp={self.tp} cannot describe tp={mesh.tp} without resharding")
+        return replace(self, mesh=mesh, derived_from=derived_from or self.derived_from).sealed()
+
+    def body(self) -> dict[str, Any]:
+        """Everything but the digest, as plain JSON data."""
+        source = self.source
+        return {
+            "format": MANIFEST_FORMAT,
+            "version": MANIFEST_VERSION,
+            "preshard_version": self.preshard_version,
+            "created": self.created,
+            "source": {
+                "kind": source.kind, "path": source.path, "index_name": source.index_name,
+                "index_text": source.index_text, "repo_id": source.repo_id, "subfolder": source.subfolder,
+                "revision": source.revision, "commit": source.commit,
+                "files": [vars(f).copy() for f in source.files],
+            },
+            "derived_from": vars(self.derived_from).copy() if self.derived_from else None,
+            "mesh": self.mesh.to_dict(),
+            "plan": self.plan.to_dict(),
+            "dtype": dtype_name(self.dtype) if self.dtype is not None else None,
+            "config": vars(self.config).copy() if self.config else None,
+            "records": {"framing": "torch.save", "version": RECORD_FRAMING_VERSION},
+            "checksums": {"files": FILE_CHECKSUM, "chunks": CHUNK_CHECKSUM},
+            "tensors": {name: self.tensors[name].to_dict() for name in sorted(self.tensors)},
+            "files": [vars(f).copy() for f in self.files],
+            "ranks": self.rank_table(),
+        }  # fmt: skip
+
+    def compute_digest(self) -> str:
+        return xxhash.xxh3_128_hexdigest(canonical_json(self.body()))
+
+    def sealed(self) -> Manifest:
+        return replace(self, digest=self.compute_digest())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.body(), "digest": self.digest or self.compute_digest()}
+
+    @classmethod
+    def from_dict(cls, data: Any, origin: str = MANIFEST_NAME) -> Manifest:
+        """Parse and validate plain JSON data (see the module docstring for what is checked).
+
+        Raises:
+            CorruptCheckpointError: one line naming the field or tensor at fault.
+            PreshardError: a manifest of another format version.
+        """
+        return _Parser(origin).manifest(data)
+
+
+def read_manifest(checkpoint: str | Path) -> Manifest:
+    """The manifest of a converted checkpoint folder (or of the `manifest.json` path itself).
+
+    Raises:
+        CorruptCheckpointError: no manifest (an incomplete conversion), or one that is damaged or edited.
+    """
+    path = Path(checkpoint)
+    if path.is_dir():
+        path = path / MANIFEST_NAME
+    elif not path.exists() and not path.parent.exists():
+        raise CorruptCheckpointError(
+            f"checkpoint {checkpoint} does not exist; pass the folder convert-checkpoint wrote"
+        )
+    if not path.is_file():
+        raise CorruptCheckpointError(
+            f"{path.parent} is not a complete preshard checkpoint ({MANIFEST_NAME} is missing); "
+            "convert it with convert-checkpoint, or re-run an interrupted conversion"
+        )
+    data = read_json(path, str(path), CorruptCheckpointError, "the checkpoint is damaged; convert it again")
+    return Manifest.from_dict(data, str(path))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Parsing
+
+
+class _Parser:
+    """Strict field-by-field reading; every problem is one line naming `origin` and where."""
+
+    def __init__(self, origin: str) -> None:
+        self.origin = origin
+
+    def bad(self, message: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"{self.origin}: {message}; the checkpoint is damaged or edited, convert it again"
+        )
+
+    def obj(self, value: Any, where: str, required: set[str], optional: set[str] = frozenset()) -> dict[str, Any]:
+        if not isinstance(value, dict):
+            raise self.bad(f"{where} must be an object")
+        missing = sorted(required - set(value))
+        if missing:
+            raise self.bad(f"{where} lacks {missing[0]!r}")
+        unknown = sorted(set(value) - required - set(optional))
+        if unknown:
+            raise self.bad(f"{where} has unknown field {unknown[0]!r}")
+        return value
+
+    def int(self, value: Any, where: str) -> int:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise self.bad(f"{where} must be a whole number >= 0")
+        return value
+
+    def str(self, value: Any, where: str, optional: bool = False) -> str | None:
+        if value is None and optional:
+            return None
+        if not isinstance(value, str):
+            raise self.bad(f"{where} must be a string")
+        return value
+
+    def hex(self, value: Any, where: str, pattern: re.Pattern) -> str:
+        if not isinstance(value, str) or not pattern.match(value):
+            raise self.bad(f"{where} must be a lowercase hex checksum")
+        return value
+
+    def plain_name(self, value: Any, where: str) -> str:
+        if not isinstance(value, str) or not value or Path(value).name != value or value in (".", ".."):
+            raise self.bad(f"{where} {value!r} is not a plain file name")
+        return value
+
+    def ints(self, value: Any, where: str) -> tuple[int, ...]:
+        if not isinstance(value, list):
+            raise self.bad(f"{where} must be a list of whole numbers")
+        return tuple(self.int(v, where) for v in value)
+
+    def dtype(self, value: Any, where: str) -> torch.dtype:
+        dtype = dtype_from_name(value)
+        if dtype is None:
+            raise self.bad(f"{where} has unknown dtype {value!r}")
+        return dtype
+
+    def file_record(self, value: Any, where: str) -> FileRecord:
+        f = self.obj(value, where, {"name", "size", "xxh3_128"})
+        return FileRecord(
+            self.plain_name(f["name"], f"{where}.name"),
+            self.int(f["size"], f"{where}.size"),
+            self.hex(f["xxh3_128"], f"{where}.xxh3_128", _HEX32),
+        )
+
+    # -- the whole manifest
+
+    def manifest(self, data: Any) -> Manifest:
+        if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT:
+            raise CorruptCheckpointError(
+                f"{self.origin} is not a preshard manifest (format is not {MANIFEST_FORMAT!r})"
+            )
+        version = data.get("version")
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            raise self.bad(f"version {version!r} is not valid")
+        if version > MANIFEST_VERSION:
+            raise PreshardError(
+                f"{self.origin} has manifest version {version}, newer than the {MANIFEST_VERSION} this preshard "
+                "reads; upgrade preshard"
+            )
+        if version < MANIFEST_VERSION:
+            raise PreshardError(
+                f"{self.origin} has manifest version {version}, which this preshard no longer loads; "
+                "convert the source checkpoint again with this version"
+            )
+        top = {
+            "format", "version", "preshard_version", "created", "source", "derived_from", "mesh", "plan", "dtype",
+            "config", "records", "checksums", "tensors", "files", "ranks", "digest",
+        }  # fmt: skip
+        self.obj(data, "manifest", top)
+        digest = self.hex(data["digest"], "digest", _HEX32)
+        body = {k: v for k, v in data.items() if k != "digest"}
+        if xxhash.xxh3_128_hexdigest(canonical_json(body)) != digest:
+            raise CorruptCheckpointError(
+                f"{self.origin} does not match its digest: it was edited or damaged after conversion; "
+                "restore it from the original, or convert the checkpoint again"
+            )
+        records = self.obj(data["records"], "records", {"framing", "version"})
+        if records != {"framing": "torch.save", "version": RECORD_FRAMING_VERSION}:
+            raise self.bad(f"records {records} is not a record framing this preshard writes")
+        if data["checksums"] != {"files": FILE_CHECKSUM, "chunks": CHUNK_CHECKSUM}:
+            raise self.bad("checksums must be xxh3_128 for files and xxh3_64 for chunks")
+        try:
+            mesh = MeshSpec.from_dict(data["mesh"])
+        except UsageError as exc:
+            raise self.bad(f"mesh: {exc}") from None
+        try:
+            plan = Plan.from_dict(data["plan"], origin="plan")
+        except PlanError as exc:
+            raise self.bad(str(exc)) from None
+        cast = None
+        if data["dtype"] is not None:
+            cast = self.dtype(data["dtype"], "dtype")
+            if cast not in CAST_TARGETS:
+                raise self.bad(f"dtype {data['dtype']!r} is not a cast preshard applies")
+        files = self.files(data["files"], mesh.tp)
+        tensors = self.tensors(data["tensors"], mesh.tp, cast, {f.name for f in files})
+        self.check_plan(plan, tensors, mesh.tp, cast)
+        self.check_tiling(tensors, files)
+        manifest = Manifest(
+            source=self.source(data["source"]),
+            mesh=mesh,
+            plan=plan,
+            tensors=tensors,
+            files=files,
+            config=self.file_record(data["config"], "config") if data["config"] is not None else None,
+            dtype=cast,
+            derived_from=self.provenance(data["derived_from"]),
+            preshard_version=self.str(data["preshard_version"], "preshard_version"),
+            created=self.str(data["created"], "created"),
+            digest=digest,
+        )
+        if data["ranks"] != manifest.rank_table():
+            raise self.bad(f"the rank table does not match the mesh {mesh.describe()} and the chunks each rank reads")
+        return manifest
+
+    def files(self, value: Any, tp: int) -> tuple[FileRecord, ...]:
+        if not isinstance(value, list) or len(value) != tp:
+            raise self.bad(f"files must list one data file per tp rank 0..{tp - 1}")
+        files = tuple(self.file_record(f, f"files[{i}]") for i, f in enumerate(value))
+        for r, f in enumerate(files):
+            if f.name != data_file_name(r):
+                raise self.bad(f"files[{r}] is {f.name!r}; the data file of tp rank {r} is {data_file_name(r)}")
+        return files
+
+    def tensors(self, value: Any, tp: int, cast: torch.dtype | None, files: set[str]) -> dict[str, TensorRecord]:
+        if not isinstance(value, dict):
+            raise self.bad("tensors must be an object")
+        keys = {"style", "blocks", "shard_dim", "split_blocks", "shape", "dtype", "source_dtype", "chunks"}
+        out = {}
+        for name, raw in value.items():
+            where = f"tensor {name}"
+            t = self.obj(raw, where, keys - {"blocks"}, {"blocks"})
+            try:
+                style = make_style(t["style"], t.get("blocks"), where)
+            except PlanError as exc:
+                raise self.bad(str(exc)) from None
+            shape = self.ints(t["shape"], f"{where} shape")
+            dtype = self.dtype(t["dtype"], where)
+            source_dtype = self.dtype(t["source_dtype"], where)
+            if dtype != cast_dtype(source_dtype, cast):
+                raise self.bad(
+                    f"{where} is stored as {dtype_name(dtype)}, but {dtype_name(source_dtype)} under the "
+                    f"checkpoint's cast ({dtype_name(cast) if cast else 'none'}) is stored as "
+                    f"{dtype_name(cast_dtype(source_dtype, cast))}"
+                )
+            try:
+                layout = TensorLayout.make(name, style, shape, dtype, source_dtype)
+            except PlanError as exc:
+                raise self.bad(str(exc)) from None
+            recorded_blocks = t["split_blocks"]
+            if t["shard_dim"] != layout.shard_dim or recorded_blocks != (
+                list(layout.blocks) if layout.blocks is not None else None
+            ):
+                raise self.bad(
+                    f"{where}: a {style.name} {name.rpartition('.')[2]} of shape {list(shape)} is split on dim "
+                    f"{layout.shard_dim} in blocks {list(layout.blocks or ())}, not as recorded "
+                    f"(dim {t['shard_dim']}, blocks {recorded_blocks})"
+                )
+            if layout.sharded:
+                for what, size in layout.split_sizes():
+                    if size % tp:
+                        raise self.bad(f"{what} (size {size}) does not split into tp={tp} equal parts")
+            out[name] = TensorRecord(layout, self.chunks(t["chunks"], layout, tp, files))
+        return out
+
+    def chunks(self, value: Any, layout: TensorLayout, tp: int, files: set[str]) -> tuple[ChunkRecord, ...]:
+        where = f"tensor {layout.name}"
+        expected = layout.all_boxes(tp)
+        if not isinstance(value, list) or len(value) != len(expected):
+            raise self.bad(f"{where} must have {len(expected)} chunks for its {layout.style.name} split at tp={tp}")
+        chunks = []
+        for i, ((owner, box), raw) in enumerate(zip(expected, value)):
+            c = self.obj(raw, f"{where} chunk {i}", {"offsets", "sizes", "file", "offset", "xxh3_64"})
+            got = (self.ints(c["offsets"], f"{where} chunk {i} offsets"), self.ints(c["sizes"], f"{where} chunk {i}"))
+            if got != box:
+                raise self.bad(
+                    f"{where} chunk {i} is offsets {list(got[0])} sizes {list(got[1])}; its "
+                    f"{layout.style.name} split at tp={tp} gives offsets {list(box[0])} sizes {list(box[1])}"
+                )
+            file = self.plain_name(c["file"], f"{where} chunk {i} file")
+            if file not in files or (owner is not None and file != data_file_name(owner)):
+                owner_file = data_file_name(owner) if owner is not None else "a data file of the checkpoint"
+                raise self.bad(f"{where} chunk {i} (tp rank {owner}) is recorded in {file}; it belongs in {owner_file}")
+            chunks.append(
+                ChunkRecord(
+                    layout.name, owner, box, file, self.int(c["offset"], f"{where} chunk {i} offset"),
+                    record_framing(layout.dtype, box[1]), self.hex(c["xxh3_64"], f"{where} chunk {i} xxh3_64", _HEX16),
+                )
+            )  # fmt: skip
+        return tuple(chunks)
+
+    def check_plan(self, plan: Plan, tensors: dict[str, TensorRecord], tp: int, cast: torch.dtype | None) -> None:
+        """The embedded plan, resolved again, gives every tensor exactly its recorded style."""
+        shapes = {name: (r.layout.shape, r.layout.source_dtype) for name, r in tensors.items()}
+        try:
+            resolved = resolve_plan(plan, shapes, tp, cast=cast)
+        except PlanError as exc:
+            raise self.bad(f"the embedded plan does not fit the tensors: {exc}") from None
+        for name, record in tensors.items():
+            if resolved[name].style != record.layout.style:
+                raise self.bad(
+                    f"tensor {name} is recorded as {record.layout.style.name}, but the plan gives it "
+                    f"{resolved[name].style.name}"
+                )
+
+    def check_tiling(self, tensors: dict[str, TensorRecord], files: tuple[FileRecord, ...]) -> None:
+        """Each data file is exactly its records, back to back: no gap, no overlap, no trailing bytes."""
+        by_file: dict[str, list[ChunkRecord]] = {f.name: [] for f in files}
+        for record in tensors.values():
+            for c in record.chunks:
+                by_file[c.file].append(c)
+        for f in files:
+            position = 0
+            for c in sorted(by_file[f.name], key=lambda c: c.offset):
+                if c.offset != position:
+                    what = "overlaps the record before it" if c.offset < position else f"leaves a gap at {position}"
+                    raise self.bad(f"{f.name}: the record of tensor {c.tensor} at byte {c.offset} {what}")
+                position = c.offset + c.framing.length
+            if position != f.size:
+                raise self.bad(f"{f.name}: its records end at byte {position}, but the file is recorded as {f.size}")
+
+    def source(self, value: Any) -> Source:
+        keys = {"kind", "path", "files", "index_name", "index_text", "repo_id", "subfolder", "revision", "commit"}
+        s = self.obj(value, "source", keys)
+        if s["kind"] not in SOURCE_KINDS:
+            raise self.bad(f"source kind {s['kind']!r} is not one of {', '.join(SOURCE_KINDS)}")
+        if not isinstance(s["files"], list):
+            raise self.bad("source files must be a list")
+        files = []
+        for i, f in enumerate(s["files"]):
+            f = self.obj(f, f"source file {i}", {"name", "size", "xxh3_128", "header"})
+            files.append(
+                SourceFile(
+                    self.str(f["name"], f"source file {i} name"),
+                    self.int(f["size"], f"source file {i} size"),
+                    self.hex(f["xxh3_128"], f"source file {i} xxh3_128", _HEX32),
+                    self.str(f["header"], f"source file {i} header"),
+                )
+            )
+        optional = {k: self.str(s[k], f"source {k}", optional=True) for k in keys - {"kind", "path", "files"}}
+        return Source(kind=s["kind"], path=self.str(s["path"], "source path"), files=tuple(files), **optional)
+
+    def provenance(self, value: Any) -> Provenance | None:
+        if value is None:
+            return None
+        p = self.obj(value, "derived_from", {"kind", "checkpoint", "mesh", "digest"})
+        if not isinstance(p["mesh"], dict):
+            raise self.bad("derived_from mesh must be an object")
+        return Provenance(
+            self.str(p["kind"], "derived_from kind"),
+            self.str(p["checkpoint"], "derived_from checkpoint"),
+            p["mesh"],
+            self.hex(p["digest"], "derived_from digest", _HEX32),
+        )
+
+
+def describe_chunk(chunk: ChunkRecord) -> str:
+    return f"chunk at offsets {list(chunk.offsets)} sizes {list(chunk.sizes)}"
+
+
+__all__ = [
+    "CONFIG_NAME",
+    "DCP_METADATA_NAME",
+    "MANIFEST_NAME",
+    "MANIFEST_VERSION",
+    "ChunkRecord",
+    "FileRecord",
+    "Manifest",
+    "Provenance",
+    "Source",
+    "SourceFile",
+    "TensorRecord",
+    "chunk_digest",
+    "data_file_name",
+    "describe_chunk",
+    "file_digest",
+    "read_manifest",
+]

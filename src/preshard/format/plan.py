@@ -1,0 +1,340 @@
+"""Sharding plans: plain JSON data on disk, typed objects in memory, parsed and validated once.
+
+A plan names Linear modules (dotted paths; `*` matches one path component) with a style, attention
+modules whose head-count attributes are divided by the TP degree and whose attention runs context
+parallel, config keys that must divide by the TP degree, and optionally a CP plan (which inputs to
+split along the sequence and which outputs to gather). The manifest embeds the resolved plan, so the
+runtime needs nothing but the checkpoint to shard the model.
+
+`resolve_plan` applies a plan to a checkpoint's tensor names and shapes: one `TensorLayout` each.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from typing import Any
+
+import torch
+
+from preshard.errors import PlanError
+from preshard.format.dtypes import cast_dtype
+from preshard.format.layout import TensorLayout
+from preshard.format.styles import REPLICATE, Style, make_style
+
+PLAN_FORMAT = 1
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def matches(pattern: str, module: str) -> bool:
+    """`*` (or any fnmatch pattern) matches exactly one dotted path component; "" is the root module."""
+    if pattern == "" or module == "":
+        return pattern == module
+    want, have = pattern.split("."), module.split(".")
+    return len(want) == len(have) and all(fnmatchcase(h, w) for w, h in zip(want, have))
+
+
+@dataclass(frozen=True)
+class LinearRule:
+    match: str
+    style: Style
+
+
+@dataclass(frozen=True)
+class AttentionRule:
+    match: str
+    divide: tuple[str, ...] = ()
+    context_parallel: bool = True
+
+    def divided_values(self, name: str, module: Any, tp: int) -> dict[str, int]:
+        """The values `module` (named `name`) takes for each attribute in `divide` at TP degree `tp`.
+
+        Raises:
+            PlanError: an attribute that is missing, not an integer, or not divisible by `tp`.
+        """
+        values = {}
+        for attr in self.divide:
+            value = getattr(module, attr, None)
+            if not _is_int(value):
+                raise PlanError(f"{name} has no integer attribute {attr!r} to divide by tp={tp}")
+            if value % tp:
+                raise PlanError(f"--tp {tp} does not divide {name}.{attr} = {value}; pick a TP degree dividing it")
+            values[attr] = value // tp
+        return values
+
+
+@dataclass(frozen=True)
+class SeqDim:
+    """A tensor's sequence dimension, and how many dims the tensor must have (None: any)."""
+
+    dim: int
+    expected_dims: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dim": self.dim, "expected_dims": self.expected_dims}
+
+
+@dataclass(frozen=True)
+class CPEntry:
+    """What context parallelism does at one module: split named inputs / numbered outputs, or gather the output."""
+
+    split_inputs: dict[str, SeqDim] = field(default_factory=dict)
+    split_outputs: dict[int, SeqDim] = field(default_factory=dict)
+    gather_output: SeqDim | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {}
+        if self.split_inputs:
+            data["split_inputs"] = {k: v.to_dict() for k, v in self.split_inputs.items()}
+        if self.split_outputs:
+            data["split_outputs"] = {str(k): v.to_dict() for k, v in self.split_outputs.items()}
+        if self.gather_output is not None:
+            data["gather_output"] = self.gather_output.to_dict()
+        return data
+
+
+@dataclass(frozen=True)
+class Plan:
+    name: str
+    linear: tuple[LinearRule, ...]
+    attention: tuple[AttentionRule, ...] = ()
+    config_divisible: tuple[str, ...] = ()
+    model_classes: tuple[str, ...] = ()
+    description: str = ""
+    cp_plan: dict[str, CPEntry] | None = None
+    origin: str = "plan"  # where it came from, for messages ("built-in plan minimax-h3", a file, a model class)
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "format": PLAN_FORMAT,
+            "name": self.name,
+            "description": self.description,
+            "model_classes": list(self.model_classes),
+            "linear": [{"match": r.match, **r.style.to_dict()} for r in self.linear],
+            "attention": [
+                {"match": a.match, "divide": list(a.divide), "context_parallel": a.context_parallel}
+                for a in self.attention
+            ],
+            "config_divisible": list(self.config_divisible),
+        }
+        if self.cp_plan is not None:
+            data["cp_plan"] = {k: v.to_dict() for k, v in self.cp_plan.items()}
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Any, origin: str = "plan") -> Plan:
+        """Validate plain data into a Plan.
+
+        Raises:
+            PlanError: one line naming `origin` and the field at fault.
+        """
+        return _parse_plan(data, origin)
+
+    def context_parallel_attention(self) -> tuple[AttentionRule, ...]:
+        return tuple(a for a in self.attention if a.context_parallel)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Parsing: strict types, every problem one line naming where it is
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _parse_plan(data: Any, origin: str) -> Plan:
+    def bad(msg: str) -> PlanError:
+        return PlanError(f"{origin}: {msg}")
+
+    if not isinstance(data, dict):
+        raise bad("must be a JSON object with 'name' and 'linear'")
+    known = {"format", "name", "description", "model_classes", "linear", "attention", "config_divisible", "cp_plan"}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise bad(f"unknown keys {unknown}; a plan has {sorted(known)}")
+    if data.get("format", PLAN_FORMAT) != PLAN_FORMAT:
+        raise bad(f"format {data.get('format')!r} is not supported; this preshard reads plan format {PLAN_FORMAT}")
+    name = data.get("name")
+    if not isinstance(name, str) or not name:
+        raise bad("'name' must be a non-empty string")
+    description = data.get("description", "")
+    if not isinstance(description, str):
+        raise bad("'description' must be a string")
+    model_classes = data.get("model_classes", [])
+    if not isinstance(model_classes, list) or not all(isinstance(c, str) for c in model_classes):
+        raise bad("'model_classes' must be a list of class names")
+    raw_linear = data.get("linear")
+    if not isinstance(raw_linear, list):
+        raise bad("'linear' must be a list of {match, style} rules")
+    linear = []
+    for i, rule in enumerate(raw_linear):
+        if not isinstance(rule, dict) or not isinstance(rule.get("match"), str) or not rule["match"]:
+            raise bad(f"linear rule {i} needs a non-empty string 'match'")
+        extra = sorted(set(rule) - {"match", "style", "blocks"})
+        if extra:
+            raise bad(f"linear rule {rule['match']!r} has unknown keys {extra}")
+        style = make_style(rule.get("style"), rule.get("blocks"), f"{origin}: linear rule {rule['match']!r}")
+        linear.append(LinearRule(rule["match"], style))
+    raw_attention = data.get("attention", [])
+    if not isinstance(raw_attention, list):
+        raise bad("'attention' must be a list of {match, divide, context_parallel} rules")
+    attention = []
+    for i, rule in enumerate(raw_attention):
+        if not isinstance(rule, dict) or not isinstance(rule.get("match"), str) or not rule["match"]:
+            raise bad(f"attention rule {i} needs a non-empty string 'match'")
+        extra = sorted(set(rule) - {"match", "divide", "context_parallel"})
+        if extra:
+            raise bad(f"attention rule {rule['match']!r} has unknown keys {extra}")
+        divide = rule.get("divide", [])
+        if not isinstance(divide, list) or not all(isinstance(d, str) and _IDENTIFIER.match(d) for d in divide):
+            raise bad(f"attention rule {rule['match']!r}: 'divide' must be a list of attribute names")
+        context_parallel = rule.get("context_parallel", True)
+        if not isinstance(context_parallel, bool):
+            raise bad(f"attention rule {rule['match']!r}: 'context_parallel' must be true or false")
+        attention.append(AttentionRule(rule["match"], tuple(divide), context_parallel))
+    config_divisible = data.get("config_divisible", [])
+    if not isinstance(config_divisible, list) or not all(isinstance(k, str) for k in config_divisible):
+        raise bad("'config_divisible' must be a list of config keys")
+    cp_plan = _parse_cp_plan(data["cp_plan"], bad) if data.get("cp_plan") is not None else None
+    return Plan(
+        name=name,
+        linear=tuple(linear),
+        attention=tuple(attention),
+        config_divisible=tuple(config_divisible),
+        model_classes=tuple(model_classes),
+        description=description,
+        cp_plan=cp_plan,
+        origin=origin,
+    )
+
+
+def _parse_seq_dim(value: Any, where: str, bad) -> SeqDim:
+    if not isinstance(value, dict) or not _is_int(value.get("dim")) or set(value) - {"dim", "expected_dims"}:
+        raise bad(f"cp_plan {where} must be {{'dim': int, 'expected_dims': int or null}}")
+    expected = value.get("expected_dims")
+    if expected is not None and (not _is_int(expected) or expected < 1):
+        raise bad(f"cp_plan {where}: 'expected_dims' must be a whole number >= 1 or null")
+    if expected is not None and not -expected <= value["dim"] < expected:
+        raise bad(f"cp_plan {where}: dim {value['dim']} is not a dimension of a {expected}-dim tensor")
+    return SeqDim(value["dim"], expected)
+
+
+def _parse_cp_plan(raw: Any, bad) -> dict[str, CPEntry]:
+    if not isinstance(raw, dict) or not raw:
+        raise bad("'cp_plan' must be an object mapping module names to split/gather specs")
+    plan = {}
+    for module, entry in raw.items():
+        if not isinstance(entry, dict) or not entry or set(entry) - {"split_inputs", "split_outputs", "gather_output"}:
+            raise bad(f"cp_plan entry {module!r} must have split_inputs, split_outputs and/or gather_output")
+        inputs, outputs = entry.get("split_inputs", {}), entry.get("split_outputs", {})
+        if not isinstance(inputs, dict) or not isinstance(outputs, dict):
+            raise bad(f"cp_plan entry {module!r}: split_inputs/split_outputs must be objects")
+        split_inputs = {}
+        for arg, spec in inputs.items():
+            if not _IDENTIFIER.match(arg):
+                raise bad(f"cp_plan entry {module!r}: {arg!r} is not an argument name")
+            split_inputs[arg] = _parse_seq_dim(spec, f"{module}.{arg}", bad)
+        split_outputs = {}
+        for index, spec in outputs.items():
+            if not (isinstance(index, str) and index.isdigit()):
+                raise bad(f"cp_plan entry {module!r}: output key {index!r} must be an output index (0, 1, ...)")
+            split_outputs[int(index)] = _parse_seq_dim(spec, f"{module} output {index}", bad)
+        gather = entry.get("gather_output")
+        gather_output = _parse_seq_dim(gather, f"{module} gather_output", bad) if gather is not None else None
+        plan[module] = CPEntry(split_inputs, split_outputs, gather_output)
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Resolution against a checkpoint
+
+
+def module_names(tensor_names: Any) -> set[str]:
+    """Every module that owns a tensor, directly or below it (the root included as "")."""
+    modules = {""}
+    for name in tensor_names:
+        parts = name.split(".")[:-1]
+        modules.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return modules
+
+
+def resolve_plan(
+    plan: Plan,
+    tensors: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+    tp: int,
+    *,
+    cast: torch.dtype | None = None,
+    config: Mapping[str, Any] | None = None,
+    check_divisible: bool = True,
+) -> dict[str, TensorLayout]:
+    """Every tensor's layout under `plan` at TP degree `tp` (tensors the plan does not name are replicated).
+
+    Raises:
+        PlanError: overlapping rules, a rule that matches no tensor, an attention rule that matches no module,
+            a rule on a non-Linear tensor, or a `tp` that does not divide a split dimension (the message lists
+            the TP degrees that work).
+    """
+    resolved: dict[str, TensorLayout] = {}
+    hits = {rule.match: 0 for rule in plan.linear}
+    for name, (shape, dtype) in tensors.items():
+        module = name.rpartition(".")[0]
+        rules = [rule for rule in plan.linear if matches(rule.match, module)]
+        if len(rules) > 1:
+            raise PlanError(
+                f"{plan.origin}: module {module} matches both {rules[0].match!r} and {rules[1].match!r}; "
+                "make the plan's rules disjoint"
+            )
+        style = rules[0].style if rules else REPLICATE
+        if rules:
+            hits[rules[0].match] += 1
+        try:
+            resolved[name] = TensorLayout.make(name, style, tuple(shape), cast_dtype(dtype, cast), dtype)
+        except PlanError as exc:
+            raise PlanError(f"{plan.origin}: {exc}") from None
+    unmatched = [pattern for pattern, count in hits.items() if count == 0]
+    if unmatched:
+        raise PlanError(
+            f"{plan.origin}: rule {unmatched[0]!r} matches no tensor of this checkpoint"
+            + (f" (nor do {len(unmatched) - 1} other rules)" if len(unmatched) > 1 else "")
+            + "; fix the pattern or pick the plan made for this model"
+        )
+    modules = module_names(tensors)
+    for rule in plan.attention:
+        if not any(matches(rule.match, m) for m in modules):
+            raise PlanError(
+                f"{plan.origin}: attention rule {rule.match!r} matches no module of this checkpoint; fix the pattern"
+            )
+    if check_divisible:
+        check_tp(plan, resolved, tp, config or {})
+    return resolved
+
+
+def _split_sizes(plan: Plan, resolved: Mapping[str, TensorLayout], config: Mapping[str, Any]):
+    for layout in resolved.values():
+        yield from layout.split_sizes()
+    for key in plan.config_divisible:
+        value = config.get(key)
+        if _is_int(value):
+            yield f"config {key}", value
+
+
+def valid_tp_degrees(plan: Plan, resolved: Mapping[str, TensorLayout], config: Mapping[str, Any]) -> list[int]:
+    """Every TP degree that divides each split dimension and each `config_divisible` value."""
+    g = 0
+    for _, size in _split_sizes(plan, resolved, config):
+        g = math.gcd(g, size)
+    if g == 0:
+        return [1]
+    return [d for d in range(1, g + 1) if g % d == 0]
+
+
+def check_tp(plan: Plan, resolved: Mapping[str, TensorLayout], tp: int, config: Mapping[str, Any]) -> None:
+    for what, size in _split_sizes(plan, resolved, config):
+        if size % tp:
+            valid = ", ".join(map(str, valid_tp_degrees(plan, resolved, config)))
+            raise PlanError(
+                f"--tp {tp} does not divide {what} (size {size}); TP degrees that work for this checkpoint: {valid}"
+            )

@@ -1,0 +1,161 @@
+"""Sharding styles: one object per way of splitting an `nn.Linear` across TP ranks.
+
+A style owns every fact about itself, so that adding one touches this module only:
+- which dimension of the weight and of the bias it splits (`shard_dim`);
+- how a split dimension is cut into packed blocks (`block_sizes`), each split separately across ranks;
+- which rectangular chunks (`Box`es) of the source tensor each TP rank keeps, and the local shape;
+- how the runtime rewires the module's forward (`parallel_forward`); styles whose output is already this
+  rank's slice of the features (colwise, packed colwise) need none.
+
+For `W` of shape `[out, in]`, T ranks, rank r: colwise keeps rows `[r*out/T, (r+1)*out/T)`; rowwise keeps
+columns and all-reduces `x_r W_r^T`, adding the bias once after the reduce; packed styles do the same
+within each block of a fused dimension (SwiGLU's `[up; gate]`, Flux's single-stream `cat([attn, mlp])`
+input); `replicated_input_rowwise` slices a replicated input locally before the row-parallel matmul.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from preshard.errors import PlanError
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) in the global tensor, as torch DCP describes chunks
+
+
+@dataclass(frozen=True)
+class Style:
+    """Replicated: every rank keeps the whole tensor and the module runs unchanged."""
+
+    name: ClassVar[str] = "replicate"
+    weight_dim: ClassVar[int | None] = None
+    bias_dim: ClassVar[int | None] = None
+    packed: ClassVar[bool] = False
+    reduces_output: ClassVar[bool] = False
+
+    # A packed style's blocks: a count of equal blocks or the block sizes, as the plan gives them.
+    blocks: int | tuple[int, ...] | None = None
+
+    def shard_dim(self, param: str) -> int | None:
+        """The dimension this style splits for the Linear's `param` ("weight", "bias"); None keeps it whole."""
+        return {"weight": self.weight_dim, "bias": self.bias_dim}.get(param)
+
+    def block_sizes(self, size: int, where: str) -> tuple[int, ...]:
+        """Absolute sizes of the blocks that cut a split dimension of `size`; one block for unpacked styles."""
+        if not self.packed:
+            return (size,)
+        if isinstance(self.blocks, int):
+            if size % self.blocks:
+                raise PlanError(f"{where}: {size} does not split into {self.blocks} equal packed blocks")
+            return (size // self.blocks,) * self.blocks
+        sizes = tuple(self.blocks or ())
+        if sum(sizes) != size:
+            raise PlanError(f"{where}: packed blocks {list(sizes)} add up to {sum(sizes)}, not {size}")
+        return sizes
+
+    def parallel_forward(self) -> Callable[..., torch.Tensor] | None:
+        """`forward(linear, x, tp_rank, tp, all_reduce)` for a rewired module; None leaves it unchanged."""
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"style": self.name}
+        if self.packed:
+            data["blocks"] = self.blocks if isinstance(self.blocks, int) else list(self.blocks or ())
+        return data
+
+
+@dataclass(frozen=True)
+class Colwise(Style):
+    """Output features split: rows of the weight and the bias. No communication."""
+
+    name: ClassVar[str] = "colwise"
+    weight_dim: ClassVar[int | None] = 0
+    bias_dim: ClassVar[int | None] = 0
+
+
+@dataclass(frozen=True)
+class PackedColwise(Colwise):
+    """Colwise within each block of a fused output (`[up; gate]`, fused QKV): local output `[b0_r; b1_r; ...]`."""
+
+    name: ClassVar[str] = "packed_colwise"
+    packed: ClassVar[bool] = True
+
+
+def _row_parallel(linear: torch.nn.Linear, x: torch.Tensor, all_reduce: Callable[[torch.Tensor], torch.Tensor]):
+    out = all_reduce(F.linear(x, linear.weight))
+    return out if linear.bias is None else out + linear.bias
+
+
+@dataclass(frozen=True)
+class Rowwise(Style):
+    """Input features split; the input is already this rank's slice. All-reduce, then the bias once."""
+
+    name: ClassVar[str] = "rowwise"
+    weight_dim: ClassVar[int | None] = 1
+    reduces_output: ClassVar[bool] = True
+
+    def parallel_forward(self) -> Callable[..., torch.Tensor]:
+        def forward(linear, x, tp_rank, tp, all_reduce):
+            return _row_parallel(linear, x, all_reduce)
+
+        return forward
+
+
+@dataclass(frozen=True)
+class PackedRowwise(Rowwise):
+    """Rowwise within each block of a fused input (`cat([attn, mlp])`): the input is `[attn_r; mlp_r]`."""
+
+    name: ClassVar[str] = "packed_rowwise"
+    packed: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class ReplicatedInputRowwise(Rowwise):
+    """Rowwise on a replicated input: each rank slices its `in/T` features first (MiniMax-H3's adaln_proj)."""
+
+    name: ClassVar[str] = "replicated_input_rowwise"
+
+    def parallel_forward(self) -> Callable[..., torch.Tensor]:
+        def forward(linear, x, tp_rank, tp, all_reduce):
+            width = linear.weight.shape[1]
+            return _row_parallel(linear, x[..., tp_rank * width : (tp_rank + 1) * width], all_reduce)
+
+        return forward
+
+
+STYLES: dict[str, type[Style]] = {
+    cls.name: cls for cls in (Style, Colwise, Rowwise, PackedColwise, PackedRowwise, ReplicatedInputRowwise)
+}
+REPLICATE = Style()
+
+
+def style_names() -> str:
+    return ", ".join(STYLES)
+
+
+def make_style(name: object, blocks: object = None, where: str = "plan") -> Style:
+    """A style from plan data (`{"style": ..., "blocks": ...}`), validated.
+
+    Raises:
+        PlanError: an unknown style name, or blocks that are missing, malformed, or given to an unpacked style.
+    """
+    cls = STYLES.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise PlanError(f"{where}: unknown style {name!r}; use one of {style_names()}")
+    if not cls.packed:
+        if blocks is not None:
+            raise PlanError(f"{where}: 'blocks' only applies to packed styles, not to {name}")
+        return cls()
+    if isinstance(blocks, int) and not isinstance(blocks, bool) and blocks >= 1:
+        return cls(blocks=blocks)
+    if (
+        isinstance(blocks, (list, tuple))
+        and blocks
+        and all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in blocks)
+    ):
+        return cls(blocks=tuple(blocks))
+    raise PlanError(f"{where}: {name} needs 'blocks': a count of equal blocks (2 for [up; gate]) or a list of sizes")

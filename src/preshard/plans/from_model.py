@@ -1,0 +1,235 @@
+"""Plans a diffusers model class declares itself: `_tp_plan` for TP, `_cp_plan` for CP.
+
+diffusers 0.42.1 declares `_tp_plan` on Flux, Flux.2, QwenImage and QwenImage 2.1 transformers. Their
+packed styles take block sizes from attributes the model sets on each Linear in `__init__`
+(`_tp_packed_col_blocks` / `_tp_packed_row_blocks`), so the class is built on the meta device from the
+checkpoint's config (no memory, no weights) to read them, and every rule is checked against the real
+module tree: a rule on something that is not an `nn.Linear`, a style preshard does not know, or a
+norm that normalises across all heads of a column-sharded projection (TP would give each rank a part of
+what it normalises) is an error naming the module, at conversion time rather than at load.
+
+Attention processors of these classes reshape by `head_dim` ("TP-agnostic"), so no head-count attribute
+is divided; every attention module runs context parallel.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+from preshard.errors import PlanError
+from preshard.format.plan import AttentionRule, CPEntry, LinearRule, Plan, SeqDim, matches
+from preshard.format.styles import Colwise, PackedColwise, PackedRowwise, Rowwise, Style
+
+_NORM_TYPES = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)
+
+
+def import_model_class(class_name: str) -> type:
+    """`diffusers.<class_name>`.
+
+    Raises:
+        PlanError: diffusers is not installed, or has no such class.
+    """
+    try:
+        import diffusers
+    except ImportError:
+        raise PlanError(
+            f"the checkpoint's model class {class_name} has no built-in plan; reading the plan it declares needs "
+            "diffusers: pip install 'preshard[diffusers]', or pass --plan NAME|FILE"
+        ) from None
+    cls = getattr(diffusers, class_name, None)
+    if not isinstance(cls, type) or not issubclass(cls, nn.Module):
+        raise PlanError(
+            f"no built-in plan for model class {class_name}, and diffusers {diffusers.__version__} has no such "
+            "model class; pass --plan NAME|FILE"
+        )
+    return cls
+
+
+def build_on_meta(cls: type, config: dict[str, Any]) -> nn.Module:
+    """The model with every parameter and buffer on the meta device (nothing allocated)."""
+    kwargs = {k: v for k, v in config.items() if not k.startswith("_")}
+    try:
+        with torch.device("meta"):
+            if hasattr(cls, "from_config"):
+                return cls.from_config(kwargs)
+            return cls(**kwargs)
+    except Exception as exc:  # a config the class rejects fails in arbitrary ways
+        raise PlanError(f"cannot build {cls.__name__} from the checkpoint's config.json: {exc}") from None
+
+
+def plan_from_model_class(class_name: str, config: dict[str, Any]) -> Plan:
+    """The plan `diffusers.<class_name>` declares, resolved on a meta-device instance built from `config`."""
+    cls = import_model_class(class_name)
+    if not getattr(cls, "_tp_plan", None):
+        raise PlanError(
+            f"model class {class_name} declares no _tp_plan and preshard has no built-in plan for it; "
+            "write a plan file and pass --plan plan.json (see the README's 'Plan files')"
+        )
+    return plan_from_model(build_on_meta(cls, config), config)
+
+
+def plan_from_model(model: nn.Module, config: dict[str, Any] | None = None) -> Plan:
+    """The plan `type(model)._tp_plan` / `_cp_plan` declare, checked against `model`'s modules."""
+    cls = type(model)
+    origin = f"{cls.__name__}._tp_plan"
+    modules = dict(model.named_modules())
+    linear: list[LinearRule] = []
+    sharded: dict[str, Style] = {}
+    for pattern, declared in cls._tp_plan.items():
+        if not isinstance(pattern, str) or not pattern:
+            raise PlanError(f"{origin}: key {pattern!r} is not a module pattern")
+        hits = [name for name in modules if name and matches(pattern, name)]
+        if not hits:
+            raise PlanError(f"{origin}: {pattern!r} matches no module of {cls.__name__}")
+        styles = {}
+        for name in hits:
+            module = modules[name]
+            if not isinstance(module, nn.Linear):
+                raise PlanError(
+                    f"{origin}: {name} is a {type(module).__name__}, not an nn.Linear; preshard shards Linear layers"
+                )
+            styles[name] = _style(declared, module, f"{origin}: {name}")
+        sharded.update(styles)
+        if len(set(styles.values())) == 1:
+            linear.append(LinearRule(pattern, next(iter(styles.values()))))
+        else:  # per-instance block sizes differ: one exact rule each
+            linear += [LinearRule(name, style) for name, style in styles.items()]
+    attention = _attention_rules(model, modules)
+    _check_norms(model, modules, sharded, attention, origin)
+    config = config or {}
+    return Plan(
+        name=f"{cls.__name__}._tp_plan",
+        linear=tuple(linear),
+        attention=tuple(attention),
+        config_divisible=tuple(k for k in ("num_attention_heads",) if isinstance(config.get(k), int)),
+        model_classes=(cls.__name__,),
+        description=f"the TP plan {cls.__name__} declares (diffusers _tp_plan), with its _cp_plan",
+        cp_plan=cp_plan_from_diffusers(cls._cp_plan) if getattr(cls, "_cp_plan", None) else None,
+        origin=origin,
+    )
+
+
+def _style(declared: Any, module: nn.Linear, where: str) -> Style:
+    if declared == "colwise":
+        return Colwise()
+    if declared == "rowwise":
+        return Rowwise()
+    kind = type(declared).__name__
+    if kind not in ("PackedColwiseParallel", "PackedRowwiseParallel"):
+        raise PlanError(f"{where}: style {declared!r} is not one preshard knows (colwise, rowwise, packed)")
+    column = kind == "PackedColwiseParallel"
+    size = module.weight.shape[0 if column else 1]
+    blocks = getattr(declared, "blocks", None)
+    if blocks:  # proportions, e.g. [1, 1] or [1, 1, 1, 3, 3]
+        if size % sum(blocks):
+            raise PlanError(f"{where}: packed proportions {list(blocks)} do not divide its {size} features")
+        sizes = tuple(b * (size // sum(blocks)) for b in blocks)
+    else:  # absolute sizes set on the Linear in __init__
+        attr = "_tp_packed_col_blocks" if column else "_tp_packed_row_blocks"
+        sizes = tuple(getattr(module, attr, None) or ())
+        if not sizes or sum(sizes) != size:
+            raise PlanError(f"{where}: {kind} needs {attr} on the Linear adding up to {size}, found {list(sizes)}")
+    return (PackedColwise if column else PackedRowwise)(blocks=sizes)
+
+
+def _is_attention(module: nn.Module) -> bool:
+    return hasattr(module, "processor") and callable(getattr(module, "set_processor", None))
+
+
+def _attention_rules(model: nn.Module, modules: dict[str, nn.Module]) -> list[AttentionRule]:
+    """One rule per attention module path with numbered blocks folded into `*` (only where the fold is exact)."""
+    names = [name for name, m in modules.items() if name and _is_attention(m)]
+    patterns: dict[str, None] = {}
+    for name in names:
+        folded = re.sub(r"(?<=\.)\d+(?=\.|$)", "*", name)
+        exact = all(_is_attention(modules[m]) for m in modules if m and matches(folded, m))
+        patterns[folded if exact else name] = None
+    return [AttentionRule(pattern, (), True) for pattern in patterns]
+
+
+def _norm_size(module: nn.Module) -> int | None:
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 1:
+        return weight.shape[0]
+    shape = getattr(module, "normalized_shape", None) or getattr(module, "dim", None)
+    if isinstance(shape, int):
+        return shape
+    if isinstance(shape, (tuple, list, torch.Size)) and len(shape) == 1:
+        return int(shape[0])
+    return None
+
+
+def _check_norms(
+    model: nn.Module,
+    modules: dict[str, nn.Module],
+    sharded: dict[str, Style],
+    attention: list[AttentionRule],
+    origin: str,
+) -> None:
+    """A norm inside an attention module that spans a whole column-sharded projection cannot be split."""
+    for name, module in modules.items():
+        if not (name and _is_attention(module)):
+            continue
+        split = {
+            modules[n].weight.shape[0]
+            for n, s in sharded.items()
+            if n.startswith(name + ".") and isinstance(s, Colwise) and n.count(".") == name.count(".") + 1
+        }
+        head_dim = getattr(module, "head_dim", None)
+        for child_name, child in module.named_children():
+            size = _norm_size(child) if isinstance(child, _NORM_TYPES) or "norm" in child_name else None
+            if size in split and size != head_dim:
+                raise PlanError(
+                    f"{origin}: {name}.{child_name} normalises across all {size} features of a column-sharded "
+                    "projection (every head at once), which TP would split across ranks; this model cannot be "
+                    "sharded as its _tp_plan declares"
+                )
+
+
+def cp_plan_from_diffusers(plan: dict[Any, Any]) -> dict[str, CPEntry]:
+    """Translate a diffusers `_cp_plan` (ContextParallelInput/Output objects) into preshard's typed form."""
+    result: dict[str, CPEntry] = {}
+    for module, spec in plan.items():
+        inputs: dict[str, SeqDim] = {}
+        outputs: dict[int, SeqDim] = {}
+        gather = None
+        specs = spec if isinstance(spec, dict) else {None: spec}
+        for key, item in specs.items():
+            if hasattr(item, "gather_dim"):
+                gather = SeqDim(item.gather_dim, item.expected_dims)
+            elif getattr(item, "split_output", False):
+                outputs[int(key)] = SeqDim(item.split_dim, item.expected_dims)
+            elif hasattr(item, "split_dim"):
+                inputs[str(key)] = SeqDim(item.split_dim, item.expected_dims)
+            else:
+                raise PlanError(f"_cp_plan entry {module}.{key} is neither a split nor a gather")
+        result[module] = CPEntry(inputs, outputs, gather)
+    return result
+
+
+def check_plan_against_model(plan: Plan, config: dict[str, Any] | None, tp: int) -> None:
+    """At conversion time, the attention attributes the plan divides exist on the model and divide by `tp`.
+
+    Needs the model class (from diffusers, named by config.json's `_class_name`); without it the same checks
+    run at load time instead.
+
+    Raises:
+        PlanError: an attention attribute that is missing, not an integer, or not divisible by `tp`.
+    """
+    rules = [rule for rule in plan.attention if rule.divide]
+    class_name = (config or {}).get("_class_name")
+    if not rules or not isinstance(class_name, str):
+        return
+    try:
+        cls = import_model_class(class_name)
+    except PlanError:
+        return
+    model = build_on_meta(cls, config or {})
+    for rule in rules:
+        for name, module in model.named_modules():
+            if name and matches(rule.match, name):
+                rule.divided_values(name, module, tp)

@@ -1,0 +1,72 @@
+"""Finding a plan: a built-in one by name or by the checkpoint's model class, a plan file, or the plan the
+model class declares itself (diffusers' `_tp_plan`)."""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from preshard.errors import PlanError
+from preshard.format.jsonio import parse_json_text, read_json
+from preshard.format.plan import Plan
+
+
+def builtin_plan_names() -> list[str]:
+    folder = resources.files("preshard.plans") / "builtin"
+    return sorted(p.name[: -len(".json")] for p in folder.iterdir() if p.name.endswith(".json"))
+
+
+def load_plan(name_or_path: str | Path) -> Plan:
+    """A built-in plan by name, or a JSON plan file by path.
+
+    Raises:
+        PlanError: an unknown name, a missing or malformed file.
+    """
+    text = str(name_or_path)
+    if text in builtin_plan_names():
+        source = resources.files("preshard.plans") / "builtin" / f"{text}.json"
+        data = parse_json_text(source.read_text(), f"built-in plan {text}", PlanError, "reinstall preshard")
+        return Plan.from_dict(data, origin=f"built-in plan {text}")
+    path = Path(text)
+    if path.suffix != ".json" and not path.exists():
+        raise PlanError(
+            f"unknown plan {text!r}: built-in plans are {', '.join(builtin_plan_names())}; "
+            "or pass the path of a JSON plan file"
+        )
+    data = read_json(path, f"plan file {text}", PlanError, "pass a JSON plan file or a built-in plan name")
+    return Plan.from_dict(data, origin=f"plan file {text}")
+
+
+def builtin_plan_for_class(class_name: str | None) -> Plan | None:
+    """The built-in plan that declares `class_name`, if any."""
+    if not class_name:
+        return None
+    for name in builtin_plan_names():
+        plan = load_plan(name)
+        if class_name in plan.model_classes:
+            return plan
+    return None
+
+
+def choose_plan(plan: str | Path | Plan | None, config: dict[str, Any] | None) -> Plan:
+    """The plan a conversion uses: the one given; else a built-in plan for config.json's `_class_name`; else the
+    plan the diffusers class declares (`_tp_plan`), read from the class built on the meta device.
+
+    Raises:
+        PlanError: no plan can be found (the message says how to give one), or the model class cannot be
+            sharded as it declares.
+    """
+    if isinstance(plan, Plan):
+        return plan
+    if plan is not None:
+        return load_plan(plan)
+    class_name = (config or {}).get("_class_name")
+    found = builtin_plan_for_class(class_name)
+    if found is not None:
+        return found
+    if not class_name:
+        raise PlanError("no plan: the checkpoint has no config.json naming its model class; pass --plan NAME|FILE")
+    from preshard.plans.from_model import plan_from_model_class
+
+    return plan_from_model_class(class_name, config or {})

@@ -1,0 +1,45 @@
+"""Progress reporting shared by every long command: a tqdm bar on a terminal, plain periodic lines otherwise.
+
+`enabled=None` means "on when stderr is a terminal"; a log file or CI output then gets one line every few
+seconds instead of a redrawn bar.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from preshard.units import human_bytes
+
+LINE_INTERVAL_S = 10.0
+
+
+class Progress:
+    def __init__(self, total: int, desc: str, enabled: bool | None = None, initial: int = 0) -> None:
+        terminal = sys.stderr.isatty()
+        self.enabled = terminal if enabled is None else enabled
+        self.total, self.desc, self.done = total, desc, initial
+        self._bar = None
+        self._last = time.monotonic()
+        if self.enabled and terminal:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total, initial=initial, unit="B", unit_scale=True, unit_divisor=1024, desc=desc)
+
+    def update(self, n: int) -> None:
+        self.done += n
+        if self._bar is not None:
+            self._bar.update(n)
+        elif self.enabled and time.monotonic() - self._last >= LINE_INTERVAL_S:
+            self._last = time.monotonic()
+            self._line()
+
+    def _line(self) -> None:
+        share = self.done / self.total if self.total else 1.0
+        print(f"{self.desc}: {share:.0%} ({human_bytes(self.done)} of {human_bytes(self.total)})", file=sys.stderr)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        elif self.enabled:
+            self._line()

@@ -1,0 +1,45 @@
+"""Where a conversion's source checkpoint comes from: a local file or folder, or a Hugging Face Hub repo."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from preshard.errors import SourceError
+from preshard.sources.local import CheckpointSource, open_local
+
+
+def open_source(
+    source: str | Path,
+    *,
+    subfolder: str | None = None,
+    revision: str | None = None,
+    token: str | bool | None = None,
+) -> CheckpointSource:
+    """A source checkpoint from a local path or, when no such path exists, a Hub repo id.
+
+    A local path always wins over a repo id of the same spelling. `subfolder`, `revision` and `token` apply
+    to Hub repos only (`subfolder` also to a local folder).
+
+    Raises:
+        SourceError: the source does not exist, cannot be downloaded, or is not a consistent checkpoint.
+    """
+    path = Path(source)
+    if subfolder and path.is_dir():
+        path = path / subfolder
+    if path.exists():
+        if revision is not None:
+            raise SourceError(f"--revision applies to Hub repos, but {source} is a local path; drop --revision")
+        return open_local(path)
+    from preshard.sources import hub
+
+    if isinstance(source, str) and hub.is_repo_id(source):
+        snapshot = hub.download_source(source, subfolder=subfolder, revision=revision, token=token)
+        opened = open_local(snapshot.folder)
+        opened.kind, opened.hub, opened.given = "hub", snapshot, source
+        return opened
+    raise SourceError(
+        f"source {source} does not exist; pass a .safetensors file, a folder holding them, or a Hub repo id (org/name)"
+    )
+
+
+__all__ = ["CheckpointSource", "open_source"]

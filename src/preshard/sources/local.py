@@ -1,0 +1,128 @@
+"""Local checkpoint sources: one `.safetensors` file, or a folder of them described by an `*.index.json`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from preshard.errors import SourceError
+from preshard.format.jsonio import read_json
+from preshard.sources.safetensors_file import SafetensorsHeader, TensorEntry, read_header
+
+PREFERRED_INDEXES = ("diffusion_pytorch_model.safetensors.index.json", "model.safetensors.index.json")
+CONFIG_NAME = "config.json"
+
+
+@dataclass
+class CheckpointSource:
+    """A source checkpoint's files, tensors and config, from headers only (no tensor data read)."""
+
+    kind: str  # "file" | "folder" | "hub"
+    path: Path  # the folder (or file) holding the weights
+    files: list[SafetensorsHeader]
+    tensors: dict[str, TensorEntry]
+    config: dict[str, Any] | None
+    config_path: Path | None
+    index_name: str | None = None
+    index_text: str | None = None
+    hub: Any = None  # preshard.sources.hub.HubSnapshot for a Hub repo
+    given: str = ""  # the source as the user spelled it
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    @property
+    def class_name(self) -> str | None:
+        name = (self.config or {}).get("_class_name")
+        return name if isinstance(name, str) else None
+
+    def in_file_order(self) -> list[TensorEntry]:
+        """Tensors by (file, offset): each file is then read once, front to back."""
+        order = {h.path: i for i, h in enumerate(self.files)}
+        return sorted(self.tensors.values(), key=lambda t: (order[t.path], t.start))
+
+
+def open_local(path: str | Path) -> CheckpointSource:
+    """A local `.safetensors` file, index file, or weights folder.
+
+    Raises:
+        SourceError: the path does not exist or does not hold a consistent safetensors checkpoint.
+    """
+    given = str(path)
+    path = Path(path)
+    if not path.exists():
+        raise SourceError(f"source {path} does not exist; pass a .safetensors file or a folder holding them")
+    if path.is_file():
+        if path.name.endswith(".index.json"):
+            return _from_index(path.parent, path, given)
+        if not path.name.endswith(".safetensors"):
+            raise SourceError(f"source {path} is not a .safetensors file; pass a .safetensors file or a folder")
+        return _source("file", path, [read_header(path)], path.parent / CONFIG_NAME, given)
+    indexes = sorted(path.glob("*.safetensors.index.json"))
+    preferred = [path / name for name in PREFERRED_INDEXES if (path / name).exists()]
+    if preferred:
+        return _from_index(path, preferred[0], given)
+    if len(indexes) == 1:
+        return _from_index(path, indexes[0], given)
+    if len(indexes) > 1:
+        names = ", ".join(i.name for i in indexes)
+        raise SourceError(f"source {path} holds several index files ({names}); pass the one to use")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise SourceError(f"source folder {path} holds no .safetensors file; point at the model's weights folder")
+    if len(files) > 1:
+        raise SourceError(
+            f"source folder {path} holds {len(files)} .safetensors files but no *.safetensors.index.json; "
+            "pass one file, or add the index that names them"
+        )
+    return _source("folder", path, [read_header(files[0])], path / CONFIG_NAME, given)
+
+
+def _from_index(folder: Path, index_path: Path, given: str) -> CheckpointSource:
+    fix = "it needs a 'weight_map' of tensor -> file"
+    index = read_json(index_path, index_path.name, SourceError, fix)
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise SourceError(f"{index_path.name} is not a valid safetensors index; {fix}")
+    headers = []
+    for file_name in dict.fromkeys(weight_map.values()):
+        file_path = folder / file_name
+        if Path(file_name).name != file_name or not file_path.is_file():
+            raise SourceError(f"{index_path.name} names {file_name}, which is missing from {folder}")
+        headers.append(read_header(file_path))
+    source = _source("folder", folder, headers, folder / CONFIG_NAME, given)
+    for name, file_name in weight_map.items():
+        entry = source.tensors.get(name)
+        if entry is None or entry.path.name != file_name:
+            raise SourceError(f"{index_path.name} says {name} is in {file_name}, but that file does not hold it")
+    extra = sorted(set(source.tensors) - set(weight_map))
+    if extra:
+        raise SourceError(f"{extra[0]} is stored in {source.tensors[extra[0]].path.name} but not in {index_path.name}")
+    source.index_name = index_path.name
+    source.index_text = index_path.read_text(encoding="utf-8")
+    return source
+
+
+def read_config(config_path: Path) -> dict[str, Any]:
+    """A model config.json: a JSON object whose `_class_name`, if present, is a string."""
+    fix = "fix or remove it"
+    config = read_json(config_path, f"{config_path.name} next to the weights", SourceError, fix)
+    if "_class_name" in config and not isinstance(config["_class_name"], str):
+        raise SourceError(f"{config_path.name}: _class_name must be a string naming the model class; {fix}")
+    return config
+
+
+def _source(kind: str, path: Path, headers: list[SafetensorsHeader], config_path: Path, given: str) -> CheckpointSource:
+    tensors: dict[str, TensorEntry] = {}
+    for header in headers:
+        for name, entry in header.tensors.items():
+            if name in tensors:
+                raise SourceError(f"tensor {name} is stored twice, in {tensors[name].path.name} and {header.path.name}")
+            tensors[name] = entry
+    config = read_config(config_path) if config_path.is_file() else None
+    return CheckpointSource(
+        kind, path, headers, tensors, config, config_path if config is not None else None, given=given
+    )

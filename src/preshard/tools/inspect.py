@@ -1,0 +1,117 @@
+"""Views of a converted checkpoint for people (`preshard inspect`) and programs (`inspect --json`)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from preshard.format.manifest import Manifest
+from preshard.units import human_bytes
+
+
+def rank_read_bytes(manifest: Manifest, tp_rank: int) -> tuple[int, int]:
+    """(bytes of this TP rank's own slices, bytes of replicated tensors it also reads)."""
+    own = shared = 0
+    for chunks in manifest.chunks_for_tp_rank(tp_rank).values():
+        for c in chunks:
+            if c.owner is None:
+                shared += c.data_length
+            else:
+                own += c.data_length
+    return own, shared
+
+
+def total_tensor_bytes(manifest: Manifest) -> int:
+    return sum(c.data_length for t in manifest.tensors.values() for c in t.chunks)
+
+
+def summary_line(manifest: Manifest, output: str | Path) -> str:
+    size = sum(f.size for f in manifest.files)
+    return (
+        f"wrote {output}: {len(manifest.tensors)} tensors, {len(manifest.files)} data files, "
+        f"{human_bytes(size)}, mesh {manifest.mesh.describe()}, plan {manifest.plan.name}"
+    )
+
+
+def provenance_line(manifest: Manifest) -> str:
+    s = manifest.source
+    if s.kind == "hub":
+        where = f"hub {s.repo_id}" + (f"/{s.subfolder}" if s.subfolder else "")
+        where += f" @ {s.revision or 'default branch'} (commit {s.commit})"
+    else:
+        where = f"{s.kind} {s.path}"
+    line = f"{where} ({len(s.files)} files)"
+    if manifest.derived_from is not None:
+        d = manifest.derived_from
+        line += f"; {d.kind} of {d.checkpoint} (tp={d.mesh.get('tp')}, manifest digest {d.digest[:12]}...)"
+    return line
+
+
+def inspect_data(manifest: Manifest) -> dict[str, Any]:
+    """What `inspect --json` prints: provenance, mesh, plan, files and the bytes each TP rank reads."""
+    total = total_tensor_bytes(manifest)
+    ranks = []
+    for r in range(manifest.tp):
+        own, shared = rank_read_bytes(manifest, r)
+        ranks.append(
+            {
+                "tp_rank": r,
+                "own_bytes": own,
+                "replicated_bytes": shared,
+                "read_bytes": own + shared,
+                "ranks": [row["rank"] for row in manifest.rank_table() if row["coords"]["tp"] == r],
+            }
+        )
+    body = manifest.body()
+    source_files = body["source"]["files"]
+    return {
+        "manifest_version": body["version"],
+        "preshard_version": manifest.preshard_version,
+        "created": manifest.created,
+        "digest": manifest.digest,
+        "source": body["source"] | {"files": [{k: v for k, v in f.items() if k != "header"} for f in source_files]},
+        "derived_from": body["derived_from"],
+        "mesh": manifest.mesh.to_dict() | {"world_size": manifest.mesh.world_size},
+        "plan": manifest.plan.name,
+        "dtype": body["dtype"],
+        "tensors": len(manifest.tensors),
+        "tensor_bytes": total,
+        "styles": dict(Counter(t.layout.style.name for t in manifest.tensors.values())),
+        "files": [
+            {"name": f.name, "tp_rank": i, "size": f.size, "xxh3_128": f.xxh3_128} for i, f in enumerate(manifest.files)
+        ],
+        "tp_ranks": ranks,
+    }
+
+
+def inspect_table(manifest: Manifest) -> str:
+    mesh = manifest.mesh
+    total = total_tensor_bytes(manifest)
+    styles = Counter(t.layout.style.name for t in manifest.tensors.values())
+    lines = [
+        f"preshard checkpoint (manifest v2, preshard {manifest.preshard_version}, {manifest.created})",
+        f"source:  {provenance_line(manifest)}",
+        f"plan:    {manifest.plan.name}  " + ", ".join(f"{n} {s}" for s, n in sorted(styles.items())),
+        f"mesh:    {mesh.describe()}, world size {mesh.world_size}",
+        f"tensors: {len(manifest.tensors)}, {human_bytes(total)}"
+        + (f", cast to {str(manifest.dtype).removeprefix('torch.')}" if manifest.dtype else ""),
+        "",
+        f"{'file':<16} {'tp rank':>7} {'size':>12}  xxh3_128",
+    ]
+    for r, f in enumerate(manifest.files):
+        lines.append(f"{f.name:<16} {r:>7} {human_bytes(f.size):>12}  {f.xxh3_128}")
+    lines += ["", f"{'tp rank':>7} {'own slices':>12} {'replicated':>12} {'reads':>12} {'of total':>9}  ranks"]
+    for r in range(mesh.tp):
+        own, shared = rank_read_bytes(manifest, r)
+        ranks = [row["rank"] for row in manifest.rank_table() if row["coords"]["tp"] == r]
+        share = (own + shared) / total if total else 0.0
+        lines.append(
+            f"{r:>7} {human_bytes(own):>12} {human_bytes(shared):>12} {human_bytes(own + shared):>12} "
+            f"{share:>8.1%}  {_ranges(ranks)}"
+        )
+    return "\n".join(lines)
+
+
+def _ranges(ranks: list[int]) -> str:
+    return ",".join(map(str, ranks)) if len(ranks) <= 8 else f"{','.join(map(str, ranks[:8]))},... ({len(ranks)})"

@@ -1,0 +1,152 @@
+"""Models that declare their own TP plan: diffusers' Flux, Flux.2 and QwenImage transformers convert with no
+--plan (the plan is read from the class, built on the meta device from config.json) and, loaded by 2 gloo ranks
+(and Flux/QwenImage by 2 x Ulysses 2), compute the unsharded model's function; and a model that cannot be
+sharded as it declares is refused at conversion, naming the module and why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from multiproc import init_gloo, run_ranks
+from tiny_diffusers import build, save
+from torch import nn
+
+from preshard.converter.convert import convert_checkpoint
+from preshard.errors import PlanError
+from preshard.format.manifest import read_manifest
+from preshard.plans.from_model import plan_from_model, plan_from_model_class
+
+TOL = 1e-5  # float32; measured max abs diff is ~1e-6
+MODELS = ["flux", "flux2", "qwenimage"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("diffusers-plans")
+    out = {}
+    for name in MODELS:
+        source = save(build(name)[0], root / f"src-{name}")
+        convert_checkpoint(source, root / name, tp=2, progress=False)  # no plan: the class's own
+        out[name] = str(root / name)
+    return out
+
+
+def _rank(rank: int, world: int, checkpoints: dict[str, str], ulysses: int, names: list[str]) -> dict:
+    from tiny_diffusers import build
+
+    from preshard.runtime.load import load_sharded
+
+    init_gloo()
+    results = {}
+    for name in names:
+        model, inputs = build(name)
+        with torch.no_grad():
+            reference = model(**inputs, return_dict=False)[0]
+            net = load_sharded(type(model), checkpoints[name], ulysses=ulysses)
+            out = net(**inputs, return_dict=False)[0]
+        report = net.preshard_report
+        results[name] = {
+            "diff": (out - reference).abs().max().item(),
+            "shape": tuple(out.shape) == tuple(reference.shape),
+            "hooks": {m: list(h) for m, h in report.hooks.items()},
+            "rows": dict(report.attention_rows),
+        }
+    return results
+
+
+@pytest.fixture(scope="module")
+def tp2(checkpoints):
+    return run_ranks(_rank, 2, checkpoints, 1, MODELS, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def tp2_ulysses2(checkpoints):
+    return run_ranks(_rank, 4, checkpoints, 2, ["flux", "qwenimage"], timeout=300)
+
+
+def test_the_plan_comes_from_the_class_with_its_packed_blocks(checkpoints):
+    flux = read_manifest(checkpoints["flux"])
+    assert flux.plan.name == "FluxTransformer2DModel._tp_plan"
+    proj_out = flux.tensors["single_transformer_blocks.0.proj_out.weight"].layout
+    inner, mlp = 64, 4 * 64  # cat([attn, mlp]) as the model sets _tp_packed_row_blocks in __init__
+    assert proj_out.style.name == "packed_rowwise" and proj_out.blocks == (inner, mlp)
+    flux2 = read_manifest(checkpoints["flux2"])
+    fused = flux2.tensors["single_transformer_blocks.0.attn.to_qkv_mlp_proj.weight"].layout
+    assert fused.style.name == "packed_colwise" and fused.blocks == (64, 64, 64, 192, 192)  # q, k, v, gate, up
+    assert flux2.tensors["single_transformer_blocks.0.attn.to_out.weight"].layout.blocks == (64, 192)
+    swiglu = flux2.tensors["transformer_blocks.0.ff.linear_in.weight"].layout
+    assert swiglu.style.name == "packed_colwise" and swiglu.blocks == (192, 192)  # proportions [1, 1]
+    qwen = read_manifest(checkpoints["qwenimage"])
+    assert {t.layout.style.name for t in qwen.tensors.values()} == {"colwise", "rowwise", "replicate"}
+    for manifest in (flux, flux2, qwen):
+        assert manifest.plan.cp_plan and all(rule.context_parallel for rule in manifest.plan.attention)
+    assert "" in flux.plan.cp_plan  # Flux splits the root module's own inputs
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_tp2_forward_equals_unsharded(tp2, name):
+    for rank in tp2:
+        assert rank[name]["shape"] and rank[name]["diff"] <= TOL, rank[name]["diff"]
+        assert any("all-reduce" in h for hooks in rank[name]["hooks"].values() for h in hooks)
+
+
+@pytest.mark.parametrize("name", ["flux", "qwenimage"])
+def test_tp2_ulysses2_forward_equals_unsharded_with_the_cp_hooks_in_place(tp2_ulysses2, name):
+    for rank in tp2_ulysses2:
+        result = rank[name]
+        assert result["diff"] <= TOL, result["diff"]
+        hooks = [h for hs in result["hooks"].values() for h in hs]
+        assert any(h.startswith("cp: attention ulysses") for h in hooks)
+        assert any(h.startswith("cp: all-gather output") for h in hooks)
+        if name == "flux":
+            assert any(h.startswith("cp: split input hidden_states") for h in result["hooks"][""])
+        # Each attention saw this rank's half of its joint (text + image) sequence, not all of it.
+        assert result["rows"] and set(result["rows"].values()) <= {4, 6, 10}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What cannot be sharded as declared is refused, naming the module
+
+
+class _AcrossHeadsAttention(nn.Module):
+    """An attention module (it has a processor) whose QK norm spans all heads, as Wan's rms_norm_across_heads."""
+
+    def __init__(self, heads: int = 4, head_dim: int = 8) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.processor = object()
+        self.to_q = nn.Linear(32, heads * head_dim)
+        self.to_k = nn.Linear(32, heads * head_dim)
+        self.to_out = nn.ModuleList([nn.Linear(heads * head_dim, 32)])
+        self.norm_q = nn.RMSNorm(heads * head_dim)
+
+    def set_processor(self, processor) -> None:
+        self.processor = processor
+
+
+class _AcrossHeadsModel(nn.Module):
+    _tp_plan = {"blocks.*.to_q": "colwise", "blocks.*.to_k": "colwise", "blocks.*.to_out.0": "rowwise"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_AcrossHeadsAttention()])
+
+
+def test_a_norm_across_all_heads_is_refused_naming_the_module():
+    with pytest.raises(PlanError, match=r"blocks\.0\.norm_q normalises across all 32 features .* cannot be sharded"):
+        plan_from_model(_AcrossHeadsModel())
+
+
+def test_a_plan_rule_on_something_else_than_a_linear_is_refused():
+    class Model(_AcrossHeadsModel):
+        _tp_plan = {"blocks.*.to_out": "rowwise"}  # the ModuleList, not the Linear in it
+
+    with pytest.raises(PlanError, match=r"blocks\.0\.to_out is a ModuleList, not an nn\.Linear"):
+        plan_from_model(Model())
+
+
+def test_classes_without_a_plan_or_unknown_to_diffusers_say_how_to_give_one():
+    with pytest.raises(PlanError, match="declares no _tp_plan .* pass --plan plan.json"):
+        plan_from_model_class("AutoencoderKL", {})
+    with pytest.raises(PlanError, match="has no such model class; pass --plan"):
+        plan_from_model_class("NoSuchTransformer", {})
