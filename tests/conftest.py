@@ -11,6 +11,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "support"))
 
+from hub_fixtures import fake_hub, hf_env  # noqa: E402, F401  (pytest fixtures for every test module)
+
 SEQ_LEN = 37  # odd, so no split of the packed sequence comes out even by accident
 
 
