@@ -168,7 +168,7 @@ def report(runs: list[dict], source_bytes: int, largest_bytes: int, modes: list[
         lines.append(f"\n{mode} (page cache {'dropped before each step' if mode == 'cold' else 'holding the source'})")
         head = (
             f"{'step':<24} {'n':>2} {'wall s median [min-max]':>26} {'GB/s':>6} {'CPU s':>7} {'CPU s/GB':>8} "
-            f"{'peak RSS MiB':>12} {'over largest':>12} {'written GB':>10} {'/ cp+sync':>9} {'/ read':>7}"
+            f"{'max RSS MiB':>12} {'over largest':>12} {'written GB':>10} {'/ cp+sync':>9} {'/ read':>7}"
         )
         lines += [head, "-" * len(head)]
         for step in steps:
@@ -194,9 +194,10 @@ def report(runs: list[dict], source_bytes: int, largest_bytes: int, modes: list[
         "wall: the whole process group from start to exit (convert: interpreter start, imports, conversion,",
         "fsyncs and the closing sync; cp: copy and sync). CPU s: user+sys of the process tree (kernel",
         "writeback threads are not counted on either side). GB/s and CPU s/GB over the source bytes (1e9).",
-        "peak RSS: the largest process of the step's tree (ru_maxrss); 'over largest' subtracts the largest",
-        "source tensor. '/ cp+sync' and '/ read': ratio of medians. 'imports' is `python -c` importing the",
-        "converter (a reference for the convert rows' fixed cost, not compared).",
+        "peak RSS: the largest process of the step's tree (ru_maxrss), the highest of the step's runs; 'over",
+        "largest' subtracts the largest source tensor. CPU s and written GB: medians. '/ cp+sync' and '/ read':",
+        "ratio of medians. 'imports' is `python -c` importing the converter (a reference for the convert rows'",
+        "fixed cost, not compared).",
     ]
     return "\n".join(lines)
 

@@ -666,11 +666,15 @@ def main(argv: list[str] | None = None) -> None:
                         )
             print("\n" + report(results, f"rank {args.rank} of tp={args.tp}, every run:", modes))
             record["results"] = results
-            pre = {m: [r for r in results if r["mode"] == m] for m in modes}
-            for mode, sel in pre.items():
-                p = statistics.median(r["seconds"] for r in sel if r["variant"] == "preshard")
-                q = statistics.median(r["seconds"] for r in sel if r["variant"] == "raw")
-                print(f"{mode}: preshard rank {args.rank} / raw read of the same bytes = {p / q:.2f}x (target <= 1.1x)")
+            for mode in modes:
+                sel = {(r["variant"], r["run"]): r["seconds"] for r in results if r["mode"] == mode}
+                p = statistics.median(v for (variant, _), v in sel.items() if variant == "preshard")
+                q = statistics.median(v for (variant, _), v in sel.items() if variant == "raw")
+                paired = statistics.median(sel[("preshard", n)] / sel[("raw", n)] for n in range(1, args.runs + 1))
+                print(
+                    f"{mode}: preshard rank {args.rank} / raw read of the same bytes = {p / q:.2f}x (medians), "
+                    f"{paired:.2f}x (median of per-run ratios); target <= 1.1x"
+                )
         load_end = _loadavg()
         print(f"loadavg at start: {load_start}\nloadavg at end:   {load_end}")
         if args.json_path:
