@@ -1,23 +1,34 @@
-"""Benchmark: convert-checkpoint against copying and plainly reading the same checkpoint, in one run.
+"""Benchmark: convert-checkpoint against `cp -r` + `sync` and a plain read, on MiniMax-H3's real shapes.
 
-A synthetic bf16 checkpoint with MiniMax-H3's structure (56 heads, SwiGLU FFN, AdaLN projection of 18 x
-hidden rows; widths divided by a power of two to fit --size-mib) is written as several safetensors files
-plus an index and config.json. Then, each in a fresh child process:
+Why it is built this way (each point is a way an earlier version of this benchmark flattered or
+penalised the converter):
 
-  cp       `cp -r` of the source folder (the baseline: every byte read once and written once)
-  read     a raw sequential read of every source byte in Python, 8 MiB blocks
-  convert  preshard's convert_checkpoint at each --tp (built-in minimax-h3 plan, no progress bar)
+* Real shapes. The source is MiniMax-H3 at its real width (hidden 5376, 56 heads, ffn 14336, AdaLN
+  projection 96768 x 2688 bf16 = 496 MiB, float32 where the published checkpoint keeps float32) with
+  --layers transformer blocks plus both refiner blocks, written by `preshard.examples.synthetic` from a
+  repeated random buffer (no model is instantiated). Memory and per-tensor costs scale with these shapes.
+* Whole processes, both sides synced. Every step is one shell command in its own process group, timed
+  from its start to its exit: `cp -r SRC DST && sync`, `cat SRC/* > /dev/null`, and
+  `convert-checkpoint SRC OUT --tp T --cp C --quiet && sync` (interpreter start and imports included).
+  Before each step the machine is synced outside the clock, so no step pays for another's dirty pages.
+* Alternating repetitions. Each --reps repetition runs every step once, in an order that rotates from
+  repetition to repetition, warm and cold interleaved, so drift in the machine's load or the disk's
+  state is spread over all steps instead of landing on one.
+* Warm and cold. Warm: the source is read with cat first (and the imports warmed after a cache drop).
+  Cold: `sync; echo 3 > /proc/sys/vm/drop_caches` before the step, only where that file can be
+  written (else cold runs are skipped and the output says so).
+* Per step: wall time; user+sys CPU of the whole process tree (os.wait4 on the shell, which has waited
+  for its children); peak RSS (wait4's ru_maxrss: the largest process of the tree, i.e. the converter);
+  GB/s and CPU seconds per GB over the source bytes (GB = 1e9 bytes). This driver imports neither torch
+  nor preshard (the checkpoint is written by a child), so ru_maxrss does not inherit its footprint.
+* --workers P runs are added for each P when `convert-checkpoint --help` offers --workers.
 
-For each: the time of the work, bytes written, peak RSS of the child, and convert's time over cp's and
-over read's. The source was just written, so all three read it from the page cache alike. Times of the
-Python steps are taken inside the child around the work (interpreter start and `import torch` excluded);
-cp's time is its whole process. convert also hashes the source files for the manifest and fsyncs what it
-writes; cp does neither.
+    python benchmarks/bench_convert.py --layers 2 --reps 3 --tp 8 --cp 4 --workers 2 4
+    python benchmarks/bench_convert.py --layers 1 --reps 1 --no-cold --json out.json --workdir /fast/disk
 
-    python benchmarks/bench_convert.py                       # ~1 GiB, tp 8 and 2
-    python benchmarks/bench_convert.py --size-mib 256 --tp 8 2 --workdir /some/fast/disk
-
-This process imports neither torch nor preshard, so that the peak RSS a child reports is its own.
+Disk: the source, one converter output and one cp copy at most (about 3x the source); the temporary
+folder is removed at the end. Run it from the repository (or with PYTHONPATH pointing at src/) so that
+the converter under test is the working tree's.
 """
 
 from __future__ import annotations
@@ -25,217 +36,298 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
+import shlex
 import shutil
+import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 
-MiB = 1024 * 1024
+GB = 10**9
+GIB = 2**30
+MIB = 2**20
+DROP_CACHES = "/proc/sys/vm/drop_caches"
+REPO_SRC = Path(__file__).resolve().parent.parent / "src"
 
-# Writes the synthetic checkpoint: argv = folder, target bytes, width divisor, number of blocks.
+# Runs in a child so this driver stays small (its peak RSS would otherwise be inherited by ru_maxrss).
 GENERATE = textwrap.dedent(
     """
     import json, sys
-    from pathlib import Path
-    import torch
-    from safetensors.torch import save_file
-
-    folder, target, div, n_blocks = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-    heads, head_dim = 56, 96 // div
-    hidden, ffn, temb = heads * head_dim, 14336 // div, 2688 // div
-    def block(prefix, adaln):
-        t = {
-            f"{prefix}.norm1.weight": (hidden,),
-            f"{prefix}.attn.to_q.weight": (hidden, hidden),
-            f"{prefix}.attn.to_k.weight": (hidden, hidden),
-            f"{prefix}.attn.to_v.weight": (hidden, hidden),
-            f"{prefix}.attn.norm_q.weight": (head_dim,),
-            f"{prefix}.attn.norm_k.weight": (head_dim,),
-            f"{prefix}.attn.to_out.0.weight": (hidden, hidden),
-            f"{prefix}.norm2.weight": (hidden,),
-            f"{prefix}.ff.net.0.proj.weight": (2 * ffn, hidden),
-            f"{prefix}.ff.net.2.weight": (hidden, ffn),
-        }
-        if adaln:
-            t[f"{prefix}.adaln_proj.linear.weight"] = (18 * hidden, temb)
-            t[f"{prefix}.adaln_proj.linear.bias"] = (18 * hidden,)
-        return t
-    shapes = {
-        "proj_in.weight": (hidden, 64), "proj_in.bias": (hidden,),
-        "context_embedder.weight": (hidden, 4096 // div), "context_embedder.bias": (hidden,),
-        "time_embedder.linear_1.weight": (hidden, 256), "time_embedder.linear_1.bias": (hidden,),
-        "time_embedder.linear_2.weight": (temb, hidden), "time_embedder.linear_2.bias": (temb,),
-    }
-    shapes.update(block("token_refiner.refiner_blocks.0", adaln=False))
-    for i in range(n_blocks):
-        shapes.update(block(f"transformer_blocks.{i}", adaln=True))
-    shapes.update({"norm_out.linear.weight": (2 * hidden, temb), "proj_out.weight": (64, hidden)})
-    per_file = max(target // 6, 1)
-    files, current, size = [], {}, 0
-    for name, shape in shapes.items():
-        n = 1
-        for s in shape:
-            n *= s
-        if current and size + 2 * n > per_file:
-            files.append(current)
-            current, size = {}, 0
-        current[name] = shape
-        size += 2 * n
-    files.append(current)
-    folder.mkdir(parents=True)
-    weight_map, total = {}, 0
-    for i, spec in enumerate(files, start=1):
-        name = f"diffusion_pytorch_model-{i:05d}-of-{len(files):05d}.safetensors"
-        # random bits: every byte matters, and no float conversion is needed (bf16 NaNs are fine here)
-        tensors = {k: torch.empty(s, dtype=torch.int16).random_().view(torch.bfloat16) for k, s in spec.items()}
-        save_file(tensors, str(folder / name))
-        total += sum(t.numel() * 2 for t in tensors.values())
-        weight_map.update(dict.fromkeys(spec, name))
-        del tensors
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (folder / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-    config = {"_class_name": "MiniMaxH3Transformer3DModel", "num_attention_heads": heads,
-              "attention_head_dim": head_dim, "num_layers": n_blocks, "ffn_dim": ffn, "time_embed_dim": temb}
-    (folder / "config.json").write_text(json.dumps(config, indent=1))
-    print(json.dumps({"files": len(files), "tensors": len(shapes), "bytes": total, "hidden": hidden}))
+    from preshard.examples.synthetic import minimax_h3_tensors, tensor_nbytes, total_nbytes
+    from preshard.examples.synthetic import write_safetensors_checkpoint
+    folder, layers, shard = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    tensors, config = minimax_h3_tensors(num_layers=layers)
+    paths = write_safetensors_checkpoint(folder, tensors, config, data="random", max_shard_bytes=shard)
+    name = max(tensors, key=lambda n: tensor_nbytes(tensors[n]))
+    print(json.dumps({
+        "tensors": len(tensors), "data_bytes": total_nbytes(tensors), "files": [p.name for p in paths],
+        "largest": name, "largest_shape": tensors[name][1], "largest_dtype": tensors[name][0],
+        "largest_bytes": tensor_nbytes(tensors[name]), "hidden": config["hidden_size"],
+        "heads": config["num_attention_heads"], "ffn": config["ffn_dim"], "refiner": config["num_refiner_layers"],
+    }))
     """
 )
+CP = "cp -r + sync"
+IMPORTS = "import preshard.cli, preshard.converter.convert"
 
-_PEAK = textwrap.dedent(
-    """
-    def _peak():
-        try:
-            with open("/proc/self/status") as f:
-                for line in f:
-                    if line.startswith("VmHWM:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    if (REPO_SRC / "preshard").is_dir():  # the working tree's package, also inside the console script
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_SRC), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _convert_command(env: dict[str, str]) -> list[str]:
+    script = Path(sys.executable).parent / "convert-checkpoint"
+    if script.is_file():
+        return [str(script)]
+    found = shutil.which("convert-checkpoint", path=env.get("PATH"))
+    if found:
+        return [found]
+    return [sys.executable, "-c", "from preshard.cli import convert_checkpoint_command; convert_checkpoint_command()"]
+
+
+def _loadavg() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return f.read().strip()
+    except OSError:
+        return "n/a"
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
+
+
+def _own_peak_kib() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def cold_possible() -> tuple[bool, str]:
+    """Whether the page cache can be dropped here: open the file for writing (writing nothing drops nothing)."""
+    try:
+        with open(DROP_CACHES, "w"):
             pass
-        import resource
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    """
-)
-
-READ = _PEAK + textwrap.dedent(
-    """
-    import json, os, sys, time
-    folder = sys.argv[1]
-    buf = bytearray(8 * 1024 * 1024)
-    view = memoryview(buf)
-    total = 0
-    t0 = time.perf_counter()
-    for name in sorted(os.listdir(folder)):
-        with open(os.path.join(folder, name), "rb", buffering=0) as f:
-            while n := f.readinto(view):
-                total += n
-    print(json.dumps({"seconds": time.perf_counter() - t0, "read": total, "peak": _peak()}))
-    """
-)
-
-CONVERT = _PEAK + textwrap.dedent(
-    """
-    import json, sys, time
-    from preshard.converter.convert import convert_checkpoint
-    before = _peak()
-    t0 = time.perf_counter()
-    convert_checkpoint(sys.argv[1], sys.argv[2], tp=int(sys.argv[3]), progress=False)
-    print(json.dumps({"seconds": time.perf_counter() - t0, "peak": _peak(), "import_peak": before}))
-    """
-)
+    except OSError as exc:
+        return False, f"{DROP_CACHES} not writable ({exc.strerror or exc})"
+    return True, f"{DROP_CACHES} writable"
 
 
-def _child_json(args: list[str]) -> dict:
-    proc = subprocess.run([sys.executable, "-c", *args], capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise SystemExit(f"benchmark step failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def drop_caches() -> None:
+    os.sync()
+    with open(DROP_CACHES, "w") as f:
+        f.write("3\n")
 
 
-def _tree_bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
-
-
-def _block_bytes(div: int, adaln: bool = True) -> int:
-    hidden, ffn, temb = 56 * (96 // div), 14336 // div, 2688 // div
-    return 2 * (4 * hidden * hidden + 3 * ffn * hidden + (18 * hidden * temb if adaln else 0))
-
-
-def _layout(size_mib: int) -> tuple[int, int]:
-    """(width divisor, number of transformer blocks) for a checkpoint of about size_mib."""
-    target = size_mib * MiB
-    div = 4
-    while _block_bytes(div) + _block_bytes(div, adaln=False) > target and div < 32:
-        div *= 2
-    rest = target - _block_bytes(div, adaln=False)  # the token refiner block
-    return div, max(1, round(rest / _block_bytes(div)))
-
-
-def run_cp(src: Path, dst: Path) -> dict:
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(["cp", "-r", str(src), str(dst)])
-    _, status, usage = os.wait4(proc.pid, 0)
-    seconds = time.perf_counter() - t0
+def timed(cmd: str, env: dict[str, str], log: Path, timeout: float) -> dict:
+    """Run `cmd` under bash in a new process group; wall time to exit, CPU and peak RSS of the whole tree."""
+    with open(log, "wb") as out:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(
+            ["bash", "-c", cmd], env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        timer = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
+        timer.start()
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        finally:
+            timer.cancel()
+        wall = time.perf_counter() - t0
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
-        raise SystemExit(f"cp -r failed with status {proc.returncode}")
-    # ru_maxrss (KiB on Linux) also counts the pre-exec image, i.e. this small process's own peak.
-    return {"seconds": seconds, "peak": usage.ru_maxrss * 1024}
+        tail = log.read_text(errors="replace")[-3000:]
+        raise SystemExit(f"step failed (status {proc.returncode}): {cmd}\n{tail}")
+    return {"wall_s": wall, "user_s": usage.ru_utime, "sys_s": usage.ru_stime, "maxrss_kib": usage.ru_maxrss}
+
+
+def _quiet(cmd: str, env: dict[str, str]) -> None:
+    subprocess.run(["bash", "-c", cmd], env=env, check=True, stdout=subprocess.DEVNULL)
+
+
+def _stats(values: list[float]) -> tuple[float, float, float]:
+    return statistics.median(values), min(values), max(values)
+
+
+def report(runs: list[dict], source_bytes: int, largest_bytes: int, modes: list[str]) -> str:
+    lines = []
+    steps = list(dict.fromkeys(r["step"] for r in runs))
+    for mode in modes:
+        rows = [r for r in runs if r["mode"] == mode]
+        if not rows:
+            continue
+        med = {s: statistics.median(r["wall_s"] for r in rows if r["step"] == s) for s in steps}
+        lines.append(f"\n{mode} (page cache {'dropped before each step' if mode == 'cold' else 'holding the source'})")
+        head = (
+            f"{'step':<24} {'n':>2} {'wall s median [min-max]':>26} {'GB/s':>6} {'CPU s':>7} {'CPU s/GB':>8} "
+            f"{'max RSS MiB':>12} {'over largest':>12} {'written GB':>10} {'/ cp+sync':>9} {'/ read':>7}"
+        )
+        lines += [head, "-" * len(head)]
+        for step in steps:
+            sel = [r for r in rows if r["step"] == step]
+            if not sel:
+                continue
+            wall, lo, hi = _stats([r["wall_s"] for r in sel])
+            cpu = statistics.median(r["user_s"] + r["sys_s"] for r in sel)
+            rss = max(r["maxrss_kib"] for r in sel) * 1024
+            written = statistics.median(r["written_bytes"] for r in sel)
+            is_ref = step == "imports"
+            ratio_cp = "" if step == CP or is_ref else f"{wall / med[CP]:.2f}"
+            ratio_rd = "" if step == "read" or is_ref else f"{wall / med['read']:.2f}"
+            over = f"{(rss - largest_bytes) / MIB:+.0f}" if step.startswith("convert") else ""
+            gbs = "" if is_ref else f"{source_bytes / GB / wall:.2f}"
+            cpu_gb = "" if is_ref else f"{cpu / (source_bytes / GB):.2f}"
+            lines.append(
+                f"{step:<24} {len(sel):>2} {f'{wall:.2f} [{lo:.2f}-{hi:.2f}]':>26} {gbs:>6} {cpu:>7.2f} "
+                f"{cpu_gb:>8} {rss / MIB:>12.0f} {over:>12} {written / GB:>10.2f} {ratio_cp:>9} {ratio_rd:>7}"
+            )
+    lines += [
+        "",
+        "wall: the whole process group from start to exit (convert: interpreter start, imports, conversion,",
+        "fsyncs and the closing sync; cp: copy and sync). CPU s: user+sys of the process tree (kernel",
+        "writeback threads are not counted on either side). GB/s and CPU s/GB over the source bytes (1e9).",
+        "peak RSS: the largest process of the step's tree (ru_maxrss), the highest of the step's runs; 'over",
+        "largest' subtracts the largest source tensor. CPU s and written GB: medians. '/ cp+sync' and '/ read':",
+        "ratio of medians. 'imports' is `python -c` importing the converter (a reference for the convert rows'",
+        "fixed cost, not compared).",
+    ]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size-mib", type=int, default=1024, help="approximate checkpoint size (default 1024)")
-    parser.add_argument("--tp", type=int, nargs="+", default=[8, 2], help="TP degrees to convert to (default 8 2)")
-    parser.add_argument("--workdir", default=None, help="where to put the temporary files (default: system temp)")
+    parser.add_argument("--layers", type=int, default=2, help="transformer blocks at real width (default 2: 4.0 GiB)")
+    parser.add_argument("--reps", type=int, default=3, help="alternating repetitions of every step (default 3)")
+    parser.add_argument("--tp", type=int, default=8, help="TP degree to convert to (default 8)")
+    parser.add_argument("--cp", type=int, default=4, help="CP degree to convert to (default 4)")
+    parser.add_argument("--workers", type=int, nargs="*", default=[2, 4], help="also convert with --workers P")
+    parser.add_argument("--shard-mib", type=int, default=2048, help="max safetensors file size (default 2048)")
+    parser.add_argument("--workdir", default=None, help="where to put the temporary folder (default: system temp)")
+    parser.add_argument("--no-cold", action="store_true", help="skip cold runs even where the cache can be dropped")
+    parser.add_argument("--no-warm", action="store_true", help="skip warm runs")
+    parser.add_argument("--no-imports", action="store_true", help="skip the `python -c import` reference step")
+    parser.add_argument("--max-disk-gb", type=float, default=20.0, help="refuse to need more disk (default 20)")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds before a step is killed")
+    parser.add_argument("--json", dest="json_path", help="write every raw number to this JSON file")
     args = parser.parse_args(argv)
-    if args.size_mib < 1:
-        parser.error("--size-mib must be >= 1")
-    if any(t not in (1, 2, 4, 8) for t in args.tp):
-        parser.error("--tp values must be among 1, 2, 4, 8 (the synthetic model's divisible degrees)")
+    if args.layers < 0 or args.reps < 1:
+        parser.error("--layers must be >= 0 and --reps >= 1")
+
+    command = shlex.join(["python", *(sys.argv if argv is None else [sys.argv[0], *argv])])
+    print(f"command: {command}")
+    env = _env()
+    load_start = _loadavg()
+    print(f"host: {platform.node()}, {os.cpu_count()} CPUs, {platform.platform()}, python {platform.python_version()}")
+    print(f"loadavg at start: {load_start}")
+
+    convert = _convert_command(env)
+    help_text = subprocess.run([*convert, "--help"], env=env, capture_output=True, text=True).stdout
+    workers_ok = "--workers" in help_text
+    workers = sorted(set(args.workers)) if workers_ok else []
+    if args.workers and not workers_ok:
+        print(f"note: convert-checkpoint has no --workers option; the --workers {args.workers} runs are skipped")
+    modes = [m for m, off in (("warm", args.no_warm), ("cold", args.no_cold)) if not off]
+    can_cold, why = cold_possible()
+    print(f"cold runs: {'possible' if can_cold else 'not possible'} ({why})" + (" (--no-cold)" if args.no_cold else ""))
+    if not can_cold and "cold" in modes:
+        modes.remove("cold")
+    if not modes:
+        parser.error("nothing to run: neither warm nor cold runs")
 
     root = Path(tempfile.mkdtemp(prefix="bench_convert-", dir=args.workdir))
+    runs: list[dict] = []
     try:
-        src = root / "transformer"
-        div, n_blocks = _layout(args.size_mib)
-        info = _child_json([GENERATE, str(src), str(args.size_mib * MiB), str(div), str(n_blocks)])
-        total = info["bytes"]
+        src, dst, out = root / "transformer", root / "copy", root / "out"
+        t0 = time.perf_counter()
+        gen = subprocess.run(
+            [sys.executable, "-c", GENERATE, str(src), str(args.layers), str(args.shard_mib * MIB)],
+            env=env, capture_output=True, text=True,
+        )  # fmt: skip
+        if gen.returncode:
+            raise SystemExit(f"writing the checkpoint failed:\n{gen.stderr[-3000:]}")
+        info = json.loads(gen.stdout.strip().splitlines()[-1])
+        source_bytes = _tree_bytes(src)
+        headers = source_bytes - info["data_bytes"]
+        if not 0 < headers < 64 * MIB * len(info["files"]):
+            raise SystemExit(f"source folder holds {source_bytes} bytes for {info['data_bytes']} data bytes")
+        need = 3 * source_bytes
+        if need > args.max_disk_gb * GB:
+            raise SystemExit(f"needs ~{need / GB:.1f} GB of disk (source, output, copy) > --max-disk-gb")
+        if shutil.disk_usage(root).free < need - source_bytes + GIB:
+            raise SystemExit(f"not enough free disk under {root} for ~{need / GB:.1f} GB")
         print(
-            f"source: {total / MiB:.0f} MiB bf16 in {info['files']} files, {info['tensors']} tensors, "
-            f"{n_blocks} blocks of hidden {info['hidden']} (MiniMax-H3 widths / {div})"
+            f"source: MiniMax-H3 real width (hidden {info['hidden']}, {info['heads']} heads, ffn {info['ffn']}), "
+            f"{args.layers} transformer + {info['refiner']} refiner blocks: {info['tensors']} tensors, "
+            f"{source_bytes / GIB:.3f} GiB ({source_bytes / GB:.3f} GB) in {len(info['files'])} safetensors files; "
+            f"largest {info['largest']} {info['largest_shape']} {info['largest_dtype']} = "
+            f"{info['largest_bytes'] / MIB:.0f} MiB; written in {time.perf_counter() - t0:.1f} s"
         )
-        rows = []
-        read = _child_json([READ, str(src)])
-        if read["read"] < total:
-            raise SystemExit("the raw read saw fewer bytes than the checkpoint holds")
-        rows.append(("read (8 MiB blocks)", read["seconds"], 0, read["peak"], None))
-        dst = root / "copy"
-        cp = run_cp(src, dst)
-        rows.append(("cp -r", cp["seconds"], _tree_bytes(dst), cp["peak"], None))
-        shutil.rmtree(dst)
-        for tp in args.tp:
-            out = root / f"tp{tp}"
-            conv = _child_json([CONVERT, str(src), str(out), str(tp)])
-            note = f"+{(conv['peak'] - conv['import_peak']) / MiB:.0f} MiB over import"
-            rows.append((f"convert --tp {tp}", conv["seconds"], _tree_bytes(out), conv["peak"], note))
-            shutil.rmtree(out)
+        if source_bytes < 4 * GIB:
+            print(f"note: the source is under 4 GiB (--layers {args.layers}); use --layers >= 2 for the default size")
+        print(f"disk: at most ~{need / GB:.1f} GB under {root}")
 
-        header = (
-            f"{'step':<20} {'time s':>8} {'MiB/s':>8} {'written MiB':>12} {'peak RSS MiB':>13} "
-            f"{'/ cp':>6} {'/ read':>7}  notes"
-        )
-        print(header)
-        print("-" * len(header))
-        for name, seconds, written, peak, note in rows:
-            ratio_cp = f"{seconds / cp['seconds']:.2f}" if name.startswith("convert") else ""
-            ratio_read = f"{seconds / read['seconds']:.2f}" if name.startswith("convert") else ""
-            line = (
-                f"{name:<20} {seconds:>8.3f} {total / MiB / seconds:>8.0f} {written / MiB:>12.1f} "
-                f"{peak / MiB:>13.0f} {ratio_cp:>6} {ratio_read:>7}  {note or ''}"
-            )
-            print(line.rstrip())
+        files = " ".join(shlex.quote(str(src / f)) for f in sorted(os.listdir(src)))
+        q = shlex.quote
+        conv = shlex.join(convert) + f" {q(str(src))} {q(str(out))} --tp {args.tp} --cp {args.cp} --quiet"
+        steps = {CP: f"cp -r {q(str(src))} {q(str(dst))} && sync", "read": f"cat {files} > /dev/null"}
+        steps[f"convert tp{args.tp} cp{args.cp}"] = f"{conv} && sync"
+        for p in workers:
+            steps[f"convert --workers {p}"] = f"{conv} --workers {p} && sync"
+        if not args.no_imports:
+            steps["imports"] = shlex.join([sys.executable, "-c", IMPORTS])
+        print(f"steps: {json.dumps(steps, indent=1)}", flush=True)
+
+        names = list(steps)
+        imports_cold = True  # the imports' files may not be cached yet
+        for rep in range(args.reps):
+            rep_modes = modes if rep % 2 == 0 else modes[::-1]
+            for mode in rep_modes:
+                k = rep % len(names)
+                for position, step in enumerate(names[k:] + names[:k]):
+                    os.sync()
+                    if mode == "cold":
+                        drop_caches()
+                        imports_cold = True
+                    else:
+                        if imports_cold:
+                            _quiet(shlex.join([sys.executable, "-c", IMPORTS]), env)
+                            imports_cold = False
+                        _quiet(f"cat {files} > /dev/null", env)
+                    load = _loadavg()
+                    result = timed(steps[step], env, root / "step.log", args.timeout)
+                    written = _tree_bytes(dst) + _tree_bytes(out)
+                    shutil.rmtree(dst, ignore_errors=True)
+                    shutil.rmtree(out, ignore_errors=True)
+                    run = {"rep": rep, "mode": mode, "position": position, "step": step, "loadavg_before": load}
+                    run.update(result, written_bytes=written)
+                    runs.append(run)
+                    print(
+                        f"rep {rep} {mode:<4} {step:<24} {result['wall_s']:8.2f} s  cpu "
+                        f"{result['user_s'] + result['sys_s']:7.2f} s  rss {result['maxrss_kib'] / 1024:6.0f} MiB  "
+                        f"load {load.split()[0]}",
+                        flush=True,
+                    )
+        load_end = _loadavg()
+        print(report(runs, source_bytes, info["largest_bytes"], modes))
+        print(f"\nthis driver's own peak RSS: {_own_peak_kib() / 1024:.0f} MiB")
+        print(f"loadavg at start: {load_start}\nloadavg at end:   {load_end}")
+        if args.json_path:
+            record = {
+                "command": command, "args": vars(args), "cpus": os.cpu_count(), "platform": platform.platform(),
+                "loadavg_start": load_start, "loadavg_end": load_end, "cold_possible": can_cold, "cold_note": why,
+                "workers_supported": workers_ok, "source": {**info, "bytes": source_bytes, "layers": args.layers},
+                "steps": steps, "runs": runs,
+            }  # fmt: skip
+            Path(args.json_path).write_text(json.dumps(record, indent=1) + "\n")
+            print(f"raw numbers: {args.json_path}")
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return 0

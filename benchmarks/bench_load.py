@@ -1,27 +1,36 @@
-"""Benchmark: one rank's read of a preshard checkpoint against a raw read and against shard-on-read.
+"""Benchmark: one rank's read of a preshard checkpoint against a raw read of the same bytes and shard-on-read.
 
-For one rank of a tp=T conversion (default T=8, rank 0) of a synthetic MiniMax-H3-like checkpoint
-(real diffusers parameter names and structure at "medium" dimensions, scaled by the number of blocks to
-about --size-gib; bf16 with the real checkpoint's float32 modules; colwise, rowwise, packed_colwise,
-replicated_input_rowwise and replicated tensors), three variants each run in a fresh child process:
+For one rank of a tp=T conversion (default T=8, rank 0) of a synthetic MiniMax-H3 checkpoint at the real
+width (`preshard.examples.synthetic`: hidden 5376, 56 heads, ffn 14336, --layers transformer blocks plus
+both refiner blocks; bf16 with the real checkpoint's float32 modules; random bytes), three variants each
+run in a fresh child process:
 
-  raw       sequential read of exactly this rank's data file (__<rank>_0.distcp): the baseline
+  raw       the baseline: a plain sequential read (os.preadv, 16 MiB blocks, in file and offset order) of
+            exactly the bytes preshard reads for this rank (its slices in its rank file plus every
+            replicated chunk), into one preallocated buffer
   preshard  the runtime's ShardReader over every tensor of the manifest into preallocated CPU tensors
             (what load_sharded does on the CPU, without building a model or a process group)
-  slice     shard-on-read: the same rank's slices taken from the original safetensors with
-            safetensors.safe_open(...).get_slice(name)[...]
+  slice     shard-on-read: the same rank's slices cut from the original safetensors with
+            safetensors.safe_open(...).get_slice(name)[...] and copied into preallocated tensors. The
+            copy matters: since safetensors 0.8 get_slice returns views backed by the mmapped file, so
+            without it nothing is read and the variant looks free.
 
-Each variant runs twice in a row, each time in a new child: run 1 is "cold-ish" (nothing is dropped from
-the page cache: the files were just written or read by the previous variant, so read_bytes shows how much
-really came from the disk) and run 2 is warm. Reported per run: read time (only the reading, not imports,
-manifest parsing or preallocation), rchar and read_bytes deltas from /proc/self/io, the source bytes the
-read has to bring in (safetensors reads through mmap, which rchar does not count, so for `slice` these are
-the file pages its slices cover, computed from the file layout), the child's peak RSS during the read
-(VmHWM reset before it: ru_maxrss would carry the parent's peak across exec) and its growth, and the
-ratios against `raw` of the same run.
+Fairness: repetitions alternate (each --runs repetition runs every variant, in an order that rotates,
+warm and cold interleaved). Warm: the files the variant reads are read with cat first. Cold: `sync;
+echo 3 > /proc/sys/vm/drop_caches` before the child starts, only where that file is writable; elsewhere
+the output says "cold not possible here" and only warm runs are made. Timed: the read only (imports,
+manifest parsing and preallocation come before the clock). Reported per run: read time, rchar and
+read_bytes deltas from /proc/self/io, the source bytes the variant has to bring in (slice reads through
+mmap, which rchar does not count: the file pages its slices cover, from the file layout), the child's
+peak RSS during the read (VmHWM reset before it) and its growth, and ratios against raw of the same run.
 
-    python benchmarks/bench_load.py                           # tp=8, ~1 GiB, rank 0
-    python benchmarks/bench_load.py --size-gib 0.25 --tp 4 --rank 1
+--ranks N runs the whole job instead: N ranks under torchrun (gloo, free port) each call load_sharded
+on one tp=N conversion and report the time from their process start to the model loaded, split into
+interpreter start, imports (torch + diffusers + preshard) and load_sharded (process group included).
+
+    python benchmarks/bench_load.py                           # tp=8, rank 0, 1 layer (2.8 GiB), 3 runs
+    python benchmarks/bench_load.py --layers 2 --tp 4 --rank 1 --runs 5
+    python benchmarks/bench_load.py --ranks 8                 # 8 torchrun ranks, time to a loaded model
     python benchmarks/bench_load.py --plan my-plan.json --source path/to/transformer  # your own checkpoint
 """
 
@@ -29,10 +38,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
+import shlex
 import shutil
-import struct
+import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,80 +51,84 @@ from pathlib import Path
 
 VARIANTS = ("raw", "preshard", "slice")
 MIB = 1024 * 1024
-# Medium MiniMax-H3 dimensions: every TP-sharded dim divides by 8 (16 heads, inner 1024, ffn 2816, time
-# embedding 512). One block is ~42.5 MiB in bf16; the rest of the model ~30 MiB.
-MEDIUM = {
-    "num_attention_heads": 16,
-    "attention_head_dim": 64,
-    "hidden_size": 1024,
-    "num_refiner_layers": 1,
-    "ffn_dim": 2816,
-    "in_channels": 16,
-    "audio_in_channels": 64,
-    "text_dim": 1024,
-    "freq_dim": 256,
-    "time_embed_hidden_dim": 1024,
-    "time_embed_dim": 512,
-}
-ST_DTYPES = {"bfloat16": "BF16", "float32": "F32", "float16": "F16"}
+BLOCK = 16 * MIB
+DROP_CACHES = "/proc/sys/vm/drop_caches"
+REPO_SRC = Path(__file__).resolve().parent.parent / "src"
+
+
+# --------------------------------------------------------------------------------------------------
+# Environment, page cache
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    if (REPO_SRC / "preshard").is_dir():  # measure the working tree's package
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_SRC), os.environ.get("PYTHONPATH")) if p)
+    return env
+
+
+def _loadavg() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return f.read().strip()
+    except OSError:
+        return "n/a"
+
+
+def cold_possible() -> tuple[bool, str]:
+    """Whether the page cache can be dropped: open the file for writing (writing nothing drops nothing)."""
+    try:
+        with open(DROP_CACHES, "w"):
+            pass
+    except OSError as exc:
+        return False, f"{DROP_CACHES} not writable ({exc.strerror or exc})"
+    return True, f"{DROP_CACHES} writable"
+
+
+def drop_caches() -> None:
+    os.sync()
+    with open(DROP_CACHES, "w") as f:
+        f.write("3\n")
+
+
+def read_through(paths: list[Path]) -> None:
+    """Bring files into the page cache (cat, as a user would)."""
+    subprocess.run(["cat", *map(str, paths)], stdout=subprocess.DEVNULL, check=True)
+
+
+def _prepare_cache(mode: str, paths: list[Path]) -> None:
+    os.sync()
+    if mode == "cold":
+        drop_caches()
+    else:
+        read_through(paths)
 
 
 # --------------------------------------------------------------------------------------------------
 # Building the synthetic source checkpoint and its conversion (parent process)
 
 
-def _medium_shapes(num_layers: int) -> tuple[dict, dict[str, tuple[list[int], str]]]:
-    """Config and {name: (shape, dtype)} of a medium MiniMax-H3 built on meta (nothing is allocated)."""
-    import torch
-    from diffusers import MiniMaxH3Transformer3DModel
+def write_source(directory: Path, layers: int, shard_mib: int) -> Path:
+    """A real-width MiniMax-H3 in diffusers' layout, random bytes streamed from one repeated buffer."""
+    from preshard.examples.synthetic import minimax_h3_tensors, write_safetensors_checkpoint
 
-    from preshard.examples.minimax_h3 import tiny_config
-
-    config = tiny_config(**MEDIUM, num_layers=num_layers)
-    with torch.device("meta"):
-        model = MiniMaxH3Transformer3DModel(**config)
-    keep = list(getattr(MiniMaxH3Transformer3DModel, "_keep_in_fp32_modules", None) or [])
-    shapes = {
-        name: (list(t.shape), "float32" if any(k in name.split(".") for k in keep) else "bfloat16")
-        for name, t in model.state_dict().items()
-    }
-    config = {"_class_name": "MiniMaxH3Transformer3DModel", **config}
-    return config, shapes
-
-
-def _nbytes(shape: list[int], dtype: str) -> int:
-    return math.prod(shape) * (4 if dtype == "float32" else 2)
-
-
-def _layers_for(size_bytes: int) -> int:
-    one = sum(_nbytes(*v) for v in _medium_shapes(1)[1].values())
-    two = sum(_nbytes(*v) for v in _medium_shapes(2)[1].values())
-    return max(1, round((size_bytes - (one - (two - one))) / (two - one)))
-
-
-def write_source(directory: Path, size_bytes: int, seed: int = 0) -> Path:
-    """A diffusers-layout folder: config.json + one safetensors file of random values, written streaming."""
-    import torch
-
-    config, shapes = _medium_shapes(_layers_for(size_bytes))
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    header: dict = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, (shape, dtype) in shapes.items():
-        n = _nbytes(shape, dtype)
-        header[name] = {"dtype": ST_DTYPES[dtype], "shape": shape, "data_offsets": [offset, offset + n]}
-        offset += n
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
-    gen = torch.Generator().manual_seed(seed)
-    path = directory / "diffusion_pytorch_model.safetensors"
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)) + blob)
-        for shape, dtype in shapes.values():
-            values = torch.randn(shape, generator=gen).to(getattr(torch, dtype))
-            f.write(values.contiguous().view(torch.uint8).numpy().tobytes())
+    tensors, config = minimax_h3_tensors(num_layers=layers)
+    write_safetensors_checkpoint(directory, tensors, config, data="random", max_shard_bytes=shard_mib * MIB)
     return directory
+
+
+def _files_of(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if p.is_file())
+
+
+def _variant_files(checkpoint: Path, source: Path, rank: int) -> dict[str, list[Path]]:
+    """What each variant reads (warm runs read these first)."""
+    from preshard.manifests.io import read_manifest
+
+    manifest = read_manifest(checkpoint)
+    mine = [checkpoint / f for f in manifest.files_for_tp_rank(rank)] + [checkpoint / "manifest.json"]
+    src = _files_of(source) if source.is_dir() else [source]
+    return {"raw": mine, "preshard": mine, "slice": src}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -142,42 +156,71 @@ def _local_shape(tensor, tp: int) -> list[int]:
     return shape
 
 
+def _preallocate(manifest) -> dict:
+    import torch
+
+    return {
+        name: torch.empty(_local_shape(t, manifest.tp), dtype=getattr(torch, t.dtype))
+        for name, t in manifest.tensors.items()
+    }
+
+
+def rank_ranges(manifest, rank: int) -> list[tuple[str, int, int]]:
+    """(file, start, end) byte ranges preshard reads for `rank`, merged where adjacent, in file order."""
+    spans = sorted(
+        (c.file, c.data_offset, c.data_offset + c.data_length)
+        for chunks in manifest.chunks_for_tp_rank(rank).values()
+        for c in chunks
+    )
+    merged: list[tuple[str, int, int]] = []
+    for f, a, b in spans:
+        if merged and merged[-1][0] == f and merged[-1][2] == a:
+            merged[-1] = (f, merged[-1][1], b)
+        else:
+            merged.append((f, a, b))
+    return merged
+
+
 def _prepare_raw(checkpoint: Path, rank: int):
     import torch
 
-    from preshard.manifests.schema import data_file_name
+    from preshard.manifests.io import read_manifest
 
-    path = checkpoint / data_file_name(rank)
-    size = path.stat().st_size
+    ranges = rank_ranges(read_manifest(checkpoint), rank)
+    size = sum(b - a for _, a, b in ranges)
     buf = torch.empty(size, dtype=torch.uint8)
     view = memoryview(buf.numpy()).cast("B")
-    block = 16 * MIB
 
     def read() -> tuple[int, int | None]:
-        with open(path, "rb", buffering=0) as f:
-            done = 0
-            while done < size:
-                n = f.readinto(view[done : done + block])
-                if not n:
-                    raise RuntimeError(f"{path} ended at byte {done}")
-                done += n
+        done = 0
+        fds: dict[str, int] = {}
+        try:
+            for name, a, b in ranges:
+                fd = fds.get(name)
+                if fd is None:
+                    fd = fds[name] = os.open(checkpoint / name, os.O_RDONLY)
+                pos = a
+                while pos < b:
+                    n = os.preadv(fd, [view[done : done + min(BLOCK, b - pos)]], pos)
+                    if not n:
+                        raise RuntimeError(f"{name} ended at byte {pos}")
+                    pos += n
+                    done += n
+        finally:
+            for fd in fds.values():
+                os.close(fd)
         return size, None
 
-    read.outs = {"file": buf}
+    read.outs = {"bytes": buf}
     return read
 
 
 def _prepare_preshard(checkpoint: Path, rank: int):
-    import torch
-
     from preshard.manifests.io import read_manifest
     from preshard.runtime.reader import ShardReader
 
     manifest = read_manifest(checkpoint)
-    outs = {
-        name: torch.empty(_local_shape(t, manifest.tp), dtype=getattr(torch, t.dtype))
-        for name, t in manifest.tensors.items()
-    }
+    outs = _preallocate(manifest)
 
     def read() -> tuple[int, int | None]:
         with ShardReader(checkpoint, manifest, rank, verify=False, pin=False) as reader:
@@ -189,24 +232,27 @@ def _prepare_preshard(checkpoint: Path, rank: int):
     return read
 
 
-def _slice_of(handle, tensor, tp: int, rank: int):
-    """This rank's part of `tensor`, taken by get_slice from the original file as a shard-on-read loader does."""
-    import torch
+def _copy_slice(handle, tensor, tp: int, rank: int, out) -> None:
+    """Copy this rank's part of `tensor` from the original file into `out`, as a shard-on-read loader must.
 
+    get_slice(...)[...] may be a view of the mmapped file (safetensors >= 0.8): copy_ is what reads it.
+    """
     sl = handle.get_slice(tensor.name)
     if tensor.shard_dim is None:
-        return sl[:]
+        out.copy_(sl[:])
+        return
     size = tensor.shape[tensor.shard_dim]
     if tensor.shard_dim == 1:
         width = size // tp
-        return sl[:, rank * width : (rank + 1) * width]
-    # colwise: one block; packed_colwise: the manifest's block sizes, this rank's rows of each, concatenated
-    parts, base = [], 0
+        out.copy_(sl[:, rank * width : (rank + 1) * width])
+        return
+    # colwise: one block; packed_colwise: the manifest's block sizes, this rank's rows of each, in order
+    base = at = 0
     for block in tensor.blocks or [size]:
         width = block // tp
-        parts.append(sl[base + rank * width : base + (rank + 1) * width])
+        out[at : at + width].copy_(sl[base + rank * width : base + (rank + 1) * width])
         base += block
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+        at += width
 
 
 def _pages_touched(entry, tensor, tp: int, rank: int, page: int) -> list[tuple[int, int]]:
@@ -257,15 +303,16 @@ def _prepare_slice(checkpoint: Path, rank: int):
         for n in by_file[path]:
             intervals += _pages_touched(source.tensors[n], manifest.tensors[n], manifest.tp, rank, page)
         touched += _merged_pages(intervals) * page
-    outs = {}
+    outs = _preallocate(manifest)
 
     def read() -> tuple[int, int | None]:
         nbytes = 0
         for path in files:
             with safe_open(str(path), framework="pt") as handle:
                 for name in by_file[path]:
-                    outs[name] = _slice_of(handle, manifest.tensors[name], manifest.tp, rank)
-                    nbytes += outs[name].numel() * outs[name].element_size()
+                    out = outs[name]
+                    _copy_slice(handle, manifest.tensors[name], manifest.tp, rank, out)
+                    nbytes += out.numel() * out.element_size()
         return nbytes, touched
 
     read.outs = outs
@@ -301,24 +348,142 @@ def child(variant: str, checkpoint: Path, rank: int) -> dict:
     }
 
 
-def check(checkpoint: Path, rank: int) -> dict:
-    """Both loaders deliver the same tensors, bit for bit (else the comparison would mean nothing)."""
+def _raw_bytes(t):
     import torch
+
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def check(checkpoint: Path, rank: int) -> dict:
+    """preshard and slice deliver the same tensors bit for bit, and raw the same bytes (else nothing compares)."""
+    import torch
+
+    from preshard.manifests.io import read_manifest
 
     preshard, sliced = _prepare_preshard(checkpoint, rank), _prepare_slice(checkpoint, rank)
     preshard()
     sliced()
-    wrong = [n for n, t in preshard.outs.items() if not torch.equal(t, sliced.outs[n])]
-    return {"tensors": len(preshard.outs), "wrong": wrong}
+    # compared as bytes: random bit patterns include NaNs, which torch.equal never finds equal
+    wrong = [n for n, t in preshard.outs.items() if not torch.equal(_raw_bytes(t), _raw_bytes(sliced.outs[n]))]
+    manifest = read_manifest(checkpoint)
+    raw = _prepare_raw(checkpoint, rank)
+    raw_bytes, _ = raw()
+    return {
+        "tensors": len(preshard.outs),
+        "wrong": wrong,
+        "raw_bytes": raw_bytes,
+        "preshard_bytes": sum(c.data_length for cs in manifest.chunks_for_tp_rank(rank).values() for c in cs),
+    }
 
 
-def _run_child(variant: str, checkpoint: Path, rank: int) -> dict:
+def _run_child(variant: str, checkpoint: Path, rank: int, env: dict[str, str]) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, "--checkpoint", str(checkpoint)]
     cmd += ["--rank", str(rank)]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if done.returncode:
         raise SystemExit(f"{variant} child failed:\n{done.stderr}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# --------------------------------------------------------------------------------------------------
+# --ranks: the whole job under torchrun
+
+
+def _boot_seconds() -> float:
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+def _process_start_boot_seconds() -> float:
+    """This process's start (exec of the interpreter), in seconds since boot, from /proc/self/stat."""
+    with open("/proc/self/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime, in clock ticks
+
+
+def rank_main(checkpoint: str, out_dir: str) -> None:
+    """Runs in each torchrun rank: time from process start to a loaded model, in parts."""
+    t_main = _boot_seconds()
+    t_start = _process_start_boot_seconds()
+    import torch
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    from preshard.runtime.load import load_sharded
+
+    t_imported = _boot_seconds()
+    torch.set_num_threads(1)
+    model = load_sharded(MiniMaxH3Transformer3DModel, checkpoint, device="cpu")
+    t_loaded = _boot_seconds()
+    report = model.preshard_report
+    mine = {
+        "rank": report.rank,
+        "interpreter_s": t_main - t_start,
+        "imports_s": t_imported - t_main,
+        "load_sharded_s": t_loaded - t_imported,
+        "read_s": report.read_seconds,
+        "total_s": t_loaded - t_start,
+        "bytes_read": report.bytes_read,
+        "peak_rss": _status_kib("VmHWM") * 1024,
+    }
+    Path(out_dir, f"rank{report.rank}.json").write_text(json.dumps(mine))
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(checkpoint: Path, ranks: int, work: Path, env: dict[str, str], timeout: float) -> dict:
+    out = Path(tempfile.mkdtemp(prefix="ranks-", dir=work))
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(ranks),
+        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+        os.path.abspath(__file__), "--rank-child", str(checkpoint), "--out", str(out),
+    ]  # fmt: skip
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    wall = time.perf_counter() - t0
+    if done.returncode:
+        raise SystemExit(f"torchrun failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    per_rank = sorted((json.loads(p.read_text()) for p in out.glob("rank*.json")), key=lambda r: r["rank"])
+    shutil.rmtree(out, ignore_errors=True)
+    if len(per_rank) != ranks:
+        raise SystemExit(f"{len(per_rank)} of {ranks} ranks reported")
+    return {"torchrun_wall_s": wall, "ranks": per_rank}
+
+
+def ranks_report(jobs: list[dict], ranks: int) -> str:
+    keys = ("interpreter_s", "imports_s", "load_sharded_s", "read_s", "total_s")
+    lines = [
+        f"\n{'mode':<5} {'job':>3} {'torchrun s':>10}  "
+        + "  ".join(f"{k.removesuffix('_s') + ' med/max s':>22}" for k in keys)
+        + f"  {'MiB read/rank':>13} {'peak RSS MiB max':>16}"
+    ]
+    lines.append("-" * len(lines[-1].strip("\n")))
+    for job in jobs:
+        cells = []
+        for k in keys:
+            values = [r[k] for r in job["ranks"]]
+            cells.append(f"{f'{statistics.median(values):.2f} / {max(values):.2f}':>22}")
+        mib = statistics.median(r["bytes_read"] for r in job["ranks"]) / MIB
+        rss = max(r["peak_rss"] for r in job["ranks"]) / MIB
+        lines.append(
+            f"{job['mode']:<5} {job['run']:>3} {job['torchrun_wall_s']:>10.2f}  "
+            + "  ".join(cells)
+            + f"  {mib:>13.1f} {rss:>16.0f}"
+        )
+    lines += [
+        "",
+        f"per job: median / max over the {ranks} ranks. interpreter: process start (exec) to the benchmark's",
+        "main; imports: torch + diffusers + preshard; load_sharded: the whole call (process group, model on",
+        "meta, reading this rank's shard, hooks); read: the reading inside it; total: process start to loaded.",
+    ]
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -329,32 +494,50 @@ def _mib(n: int) -> str:
     return f"{n / MIB:9.1f}"
 
 
-def report(results: list[dict], header: str) -> str:
+def report(results: list[dict], header: str, modes: list[str]) -> str:
     lines = [header, ""]
     cols = (
-        f"{'variant':<9} {'run':>3} {'read s':>7} {'GiB/s':>6} {'data MiB':>9} {'rchar MiB':>9} {'disk MiB':>9} "
-        f"{'src MiB':>9} {'peak RSS':>9} {'RSS +MiB':>9} {'t/raw':>6} {'src/raw':>7}"
+        f"{'mode':<5} {'run':>3} {'variant':<9} {'read s':>7} {'GiB/s':>6} {'data MiB':>9} {'rchar MiB':>9} "
+        f"{'disk MiB':>9} {'src MiB':>9} {'peak RSS':>9} {'RSS +MiB':>9} {'t/raw':>6} {'src/raw':>7}"
     )
     lines += [cols, "-" * len(cols)]
-    raw = {r["run"]: r for r in results if r["variant"] == "raw"}
+    raw = {(r["mode"], r["run"]): r for r in results if r["variant"] == "raw"}
     for r in results:
-        base = raw[r["run"]]
+        base = raw[(r["mode"], r["run"])]
         lines.append(
-            f"{r['variant']:<9} {r['run']:>3} {r['seconds']:7.3f} {r['bytes'] / r['seconds'] / 2**30:6.2f} "
-            f"{_mib(r['bytes'])} {_mib(r['rchar'])} {_mib(r['read_bytes'])} {_mib(r['touched'])} "
-            f"{_mib(r['peak_rss'])} {_mib(r['rss_growth'])} {r['seconds'] / base['seconds']:6.2f} "
+            f"{r['mode']:<5} {r['run']:>3} {r['variant']:<9} {r['seconds']:7.3f} "
+            f"{r['bytes'] / r['seconds'] / 2**30:6.2f} {_mib(r['bytes'])} {_mib(r['rchar'])} {_mib(r['read_bytes'])} "
+            f"{_mib(r['touched'])} {_mib(r['peak_rss'])} {_mib(r['rss_growth'])} {r['seconds'] / base['seconds']:6.2f} "
             f"{r['touched'] / base['touched']:7.2f}"
         )
     lines += [
         "",
-        "data: bytes the variant delivers (raw: the rank file; preshard: own slices + every replicated chunk;",
-        "slice: the same tensors cut from the source). rchar / disk: /proc/self/io rchar / read_bytes deltas of",
-        "the read (disk: not served by the page cache). src: bytes of files the read has to bring in: rchar for",
-        "read()-based variants; for slice (safetensors mmap, invisible to rchar) the 4 KiB pages of the source",
-        "that hold any byte of the slices (a column slice touches every page of its tensor). peak RSS: VmHWM",
-        "during the read (reset just before it; includes mapped file pages); RSS +: growth over the start of",
-        "the read. Run 1 is cold-ish (nothing dropped from the page cache), later runs warm. Every time includes",
-        "the first-touch page faults of the destination memory, as a fresh loading process pays them.",
+        f"{'mode':<5} {'variant':<9} {'read s median [min-max]':>24} {'/ raw (medians)':>16} {'/ raw (paired)':>15}",
+    ]
+    for mode in modes:
+        sel = [r for r in results if r["mode"] == mode]
+        if not sel:
+            continue
+        med_raw = statistics.median(r["seconds"] for r in sel if r["variant"] == "raw")
+        for variant in VARIANTS:
+            times = [r["seconds"] for r in sel if r["variant"] == variant]
+            paired = [r["seconds"] / raw[(mode, r["run"])]["seconds"] for r in sel if r["variant"] == variant]
+            med = statistics.median(times)
+            lines.append(
+                f"{mode:<5} {variant:<9} {f'{med:.3f} [{min(times):.3f}-{max(times):.3f}]':>24} "
+                f"{med / med_raw:>16.2f} {statistics.median(paired):>15.2f}"
+            )
+    lines += [
+        "",
+        "data: bytes the variant delivers (raw and preshard: this rank's slices + every replicated chunk;",
+        "slice: the same tensors cut from the source and copied). rchar / disk: /proc/self/io rchar / read_bytes",
+        "deltas of the read (disk: not served by the page cache). src: bytes of files the read has to bring in:",
+        "rchar for read()-based variants; for slice (safetensors mmap, invisible to rchar) the 4 KiB pages of the",
+        "source that hold any byte of the slices (a column slice touches every page of its tensor). peak RSS:",
+        "VmHWM during the read (reset just before it; includes mapped file pages); RSS +: growth over the start",
+        "of the read. warm: the variant's files read with cat first; cold: page cache dropped before the child.",
+        "Every time includes the first-touch page faults of the destination memory, as a loading process pays.",
+        "/ raw (paired): median over runs of the ratio to the raw read of the same run and mode.",
     ]
     return "\n".join(lines)
 
@@ -363,21 +546,52 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tp", type=int, default=8)
     parser.add_argument("--rank", type=int, default=0, help="the TP rank whose shard is read")
-    parser.add_argument("--size-gib", type=float, default=1.0, help="approximate size of the synthetic checkpoint")
+    parser.add_argument("--layers", type=int, default=1, help="transformer blocks at real width (default 1: 2.8 GiB)")
+    parser.add_argument("--shard-mib", type=int, default=2048, help="max safetensors file size of the source")
     parser.add_argument("--plan", help="plan JSON file or built-in plan name (default: the model's built-in plan)")
     parser.add_argument("--source", help="use this safetensors file/folder instead of the synthetic checkpoint")
     parser.add_argument("--workdir", help="where to write the checkpoints (default: a temporary folder, removed)")
-    parser.add_argument("--runs", type=int, default=2, help="runs per variant (run 1 cold-ish, the rest warm)")
+    parser.add_argument("--runs", type=int, default=3, help="alternating repetitions of every variant (default 3)")
+    parser.add_argument("--no-cold", action="store_true", help="warm runs only")
+    parser.add_argument("--ranks", type=int, default=0, help="run N torchrun ranks loading a tp=N conversion instead")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed for one torchrun job")
+    parser.add_argument("--json", dest="json_path", help="write every raw number to this JSON file")
     parser.add_argument("--child", choices=(*VARIANTS, "check"), help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
+    parser.add_argument("--rank-child", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
+    if args.rank_child:
+        rank_main(args.rank_child, args.out)
+        return
     if args.child:
         run = check if args.child == "check" else lambda c, r: child(args.child, c, r)
         print(json.dumps(run(Path(args.checkpoint), args.rank)))
         return
+    if args.ranks:
+        args.tp = args.ranks
     if not 0 <= args.rank < args.tp:
         parser.error(f"--rank must be in 0..{args.tp - 1}")
+    if args.runs < 1:
+        parser.error("--runs must be >= 1")
+
+    command = shlex.join(["python", *(sys.argv if argv is None else [sys.argv[0], *argv])])
+    print(f"command: {command}")
+    load_start = _loadavg()
+    print(f"{os.cpu_count()} CPUs; loadavg at start: {load_start}")
+    modes = ["warm"]
+    can_cold, why = cold_possible()
+    if args.no_cold:
+        print("cold runs: skipped (--no-cold)")
+    elif can_cold:
+        modes.append("cold")
+        print(f"cold runs: possible ({why})")
+    else:
+        print(f"cold not possible here ({why}): warm runs only")
+    env = _env()
+    if (REPO_SRC / "preshard").is_dir():
+        sys.path.insert(0, str(REPO_SRC))
 
     from preshard.converter.convert import convert_checkpoint
 
@@ -385,7 +599,7 @@ def main(argv: list[str] | None = None) -> None:
     work.mkdir(parents=True, exist_ok=True)
     try:
         t0 = time.perf_counter()
-        source = Path(args.source) if args.source else write_source(work / "source", int(args.size_gib * 2**30))
+        source = Path(args.source) if args.source else write_source(work / "source", args.layers, args.shard_mib)
         t1 = time.perf_counter()
         out = work / f"tp{args.tp}"
         manifest = convert_checkpoint(source, out, tp=args.tp, plan=args.plan, overwrite=True, progress=False)
@@ -394,22 +608,79 @@ def main(argv: list[str] | None = None) -> None:
         for t in manifest.tensors.values():
             styles[t.style] = styles.get(t.style, 0) + 1
         total = sum(f.size for f in manifest.files)
-        results = []
-        for variant in VARIANTS:
-            for run in range(1, args.runs + 1):
-                results.append({**_run_child(variant, out, args.rank), "run": run})
         counts = ", ".join(f"{k} {v}" for k, v in sorted(styles.items()))
+        src_bytes = sum(p.stat().st_size for p in (_files_of(source) if source.is_dir() else [source]))
         header = (
-            f"checkpoint: {len(manifest.tensors)} tensors ({counts}), "
-            f"{total / 2**30:.3f} GiB in {len(manifest.files)} rank files; source written in {t1 - t0:.1f}s, "
-            f"converted in {t2 - t1:.1f}s\nrank {args.rank} of tp={args.tp}; platform {sys.platform}, "
-            f"{os.cpu_count()} CPUs"
+            f"source: {src_bytes / 2**30:.3f} GiB"
+            + ("" if args.source else f" (MiniMax-H3 real width, {args.layers} transformer + 2 refiner blocks)")
+            + f", written in {t1 - t0:.1f} s\ncheckpoint: {len(manifest.tensors)} tensors ({counts}), "
+            f"{total / 2**30:.3f} GiB in {len(manifest.files)} rank files, converted in {t2 - t1:.1f} s"
         )
-        verdict = _run_child("check", out, args.rank)
-        if verdict["wrong"]:
-            raise SystemExit(f"preshard and slice disagree on {verdict['wrong']}")
-        header += f"\ncheck: preshard and slice deliver the same {verdict['tensors']} tensors, bit for bit"
-        print(report(results, header))
+        record: dict = {"command": command, "cpus": os.cpu_count(), "loadavg_start": load_start, "modes": modes}
+        if args.ranks:
+            print(header, flush=True)
+            jobs = []
+            for run in range(1, args.runs + 1):
+                for mode in modes if run % 2 else modes[::-1]:
+                    _prepare_cache(mode, _files_of(out))
+                    if mode == "warm":  # the interpreter's and libraries' files, as a warm start has them
+                        subprocess.run([sys.executable, "-c", "import torch, diffusers, preshard"], env=env, check=True)
+                    load = _loadavg()
+                    job = {"mode": mode, "run": run, "loadavg_before": load}
+                    job.update(run_ranks(out, args.ranks, work, env, args.timeout))
+                    jobs.append(job)
+                    totals = [r["total_s"] for r in job["ranks"]]
+                    print(
+                        f"run {run} {mode}: torchrun {job['torchrun_wall_s']:.1f} s, rank total median "
+                        f"{statistics.median(totals):.1f} s max {max(totals):.1f} s (load {load.split()[0]})",
+                        flush=True,
+                    )
+            print(ranks_report(jobs, args.ranks))
+            record["jobs"] = jobs
+        else:
+            files = _variant_files(out, source, args.rank)
+            header += f"\nrank {args.rank} of tp={args.tp}; platform {sys.platform}, {os.cpu_count()} CPUs"
+            verdict = _run_child("check", out, args.rank, env)
+            if verdict["wrong"]:
+                raise SystemExit(f"preshard and slice disagree on {verdict['wrong']}")
+            if verdict["raw_bytes"] != verdict["preshard_bytes"]:
+                raise SystemExit(f"raw reads {verdict['raw_bytes']} bytes, preshard {verdict['preshard_bytes']}")
+            header += (
+                f"\ncheck: preshard and slice deliver the same {verdict['tensors']} tensors, bit for bit; raw reads "
+                f"the same {verdict['raw_bytes'] / MIB:.1f} MiB as preshard "
+                f"({verdict['raw_bytes'] / manifest.file(f'__{args.rank}_0.distcp').size:.3f}x the rank file)"
+            )
+            print(header, flush=True)
+            results = []
+            for run in range(1, args.runs + 1):
+                for mode in modes if run % 2 else modes[::-1]:
+                    k = (run - 1) % len(VARIANTS)
+                    for variant in VARIANTS[k:] + VARIANTS[:k]:
+                        _prepare_cache(mode, files[variant])
+                        load = _loadavg()
+                        r = {**_run_child(variant, out, args.rank, env), "run": run, "mode": mode}
+                        r["loadavg_before"] = load
+                        results.append(r)
+                        print(
+                            f"run {run} {mode} {variant:<8} {r['seconds']:.3f} s (load {load.split()[0]})", flush=True
+                        )
+            print("\n" + report(results, f"rank {args.rank} of tp={args.tp}, every run:", modes))
+            record["results"] = results
+            for mode in modes:
+                sel = {(r["variant"], r["run"]): r["seconds"] for r in results if r["mode"] == mode}
+                p = statistics.median(v for (variant, _), v in sel.items() if variant == "preshard")
+                q = statistics.median(v for (variant, _), v in sel.items() if variant == "raw")
+                paired = statistics.median(sel[("preshard", n)] / sel[("raw", n)] for n in range(1, args.runs + 1))
+                print(
+                    f"{mode}: preshard rank {args.rank} / raw read of the same bytes = {p / q:.2f}x (medians), "
+                    f"{paired:.2f}x (median of per-run ratios); target <= 1.1x"
+                )
+        load_end = _loadavg()
+        print(f"loadavg at start: {load_start}\nloadavg at end:   {load_end}")
+        if args.json_path:
+            record["loadavg_end"] = load_end
+            Path(args.json_path).write_text(json.dumps(record, indent=1) + "\n")
+            print(f"raw numbers: {args.json_path}")
     finally:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)
