@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,13 +21,15 @@ from preshard.converter.workdir import (
     Journal,
     OutputLock,
     check_output,
+    check_space,
     commit,
     open_workdir,
+    open_writers,
     partial_dir,
-    read_journal,
+    resume,
 )
 from preshard.converter.writer import RecordFileWriter
-from preshard.errors import CorruptCheckpointError, OutputError, SourceError, UsageError
+from preshard.errors import UsageError
 from preshard.format.dcp_metadata import write_dcp_metadata
 from preshard.format.dtypes import dtype_name, parse_cast
 from preshard.format.fileio import byte_view
@@ -39,8 +40,6 @@ from preshard.format.manifest import (
     MANIFEST_NAME,
     FileRecord,
     Manifest,
-    Source,
-    SourceFile,
     TensorRecord,
     file_digest,
 )
@@ -51,8 +50,7 @@ from preshard.format.torch_record import RECORD_FRAMING_VERSION
 from preshard.plans.from_model import check_plan_against_model
 from preshard.plans.registry import choose_plan
 from preshard.progress import Progress
-from preshard.sources import CheckpointSource, open_source
-from preshard.sources.reader import SourceReader
+from preshard.sources import ConversionSource, SourceRows, open_source
 
 # Journal (so fsync) about 64 times per conversion, at least every 16 MiB: a crash loses at most that much.
 SYNC_MIN_BYTES, SYNC_ROUNDS = 16 << 20, 64
@@ -86,7 +84,7 @@ def resolve_mesh(
 class ConversionPlan:
     """Everything decided before writing: source, plan, mesh, cast, every tensor's layout and every record's place."""
 
-    source: CheckpointSource
+    source: ConversionSource
     plan: Plan
     mesh: MeshSpec
     cast: torch.dtype | None
@@ -100,7 +98,7 @@ class ConversionPlan:
 
 
 def plan_conversion(
-    source: str | Path | CheckpointSource,
+    source: str | Path | ConversionSource,
     *,
     mesh: MeshSpec,
     plan: str | Path | Plan | None = None,
@@ -111,15 +109,14 @@ def plan_conversion(
 ) -> ConversionPlan:
     """Resolve source, plan, mesh and layout without writing anything (what a dry run shows)."""
     cast = parse_cast(dtype)
-    if isinstance(source, CheckpointSource):
-        src = source
-    else:
+    if isinstance(source, (str, Path)):
         src = open_source(source, subfolder=subfolder, revision=revision, token=token)
+    else:
+        src = source
     chosen = choose_plan(plan, src.config)
-    shapes = {name: (entry.shape, entry.dtype) for name, entry in src.tensors.items()}
-    layouts = resolve_plan(chosen, shapes, mesh.tp, cast=cast, config=src.config or {})
+    layouts = resolve_plan(chosen, src.shapes(), mesh.tp, cast=cast, config=src.config or {})
     check_plan_against_model(chosen, src.config, mesh.tp)
-    order = [entry.name for entry in src.in_file_order()]
+    order = src.read_order()
     files = place_records([layouts[name] for name in order], mesh.tp)
     return ConversionPlan(src, chosen, mesh, cast, layouts, files, order)
 
@@ -171,81 +168,49 @@ def convert_checkpoint(
     job = plan_conversion(
         source, mesh=mesh, plan=plan, dtype=dtype, subfolder=subfolder, revision=revision, token=token
     )
-    output = Path(output)
-    check_output(output, [h.path for h in job.source.files], overwrite)
+    return write_conversion(job, Path(output), overwrite=overwrite, wait=wait, progress=progress)
+
+
+def write_conversion(
+    job: ConversionPlan, output: Path, *, overwrite: bool = False, wait: bool = False, progress: bool | None = None
+) -> Manifest:
+    """Write a planned conversion into `output`, under the output's lock, atomically and resumably."""
+    check_output(output, job.source.input_paths(), overwrite)
     with OutputLock(output, wait=wait), deferred_signals() as stop:
-        check_output(output, [h.path for h in job.source.files], overwrite)  # again, now that we hold the lock
+        check_output(output, job.source.input_paths(), overwrite)  # again, now that we hold the lock
         return _convert_locked(job, output, stop, progress)
 
 
 def _job_key(job: ConversionPlan) -> str:
-    """What must match for a partial conversion to be resumed (cheap: sizes, mtimes, headers, plan, mesh)."""
-    h = hashlib.sha256()
-    for header in job.source.files:
-        stat = header.path.stat()
-        h.update(f"{header.path.name}:{stat.st_size}:{stat.st_mtime_ns}:{header.text}".encode())
+    """What must match for a partial conversion to be resumed (cheap: the source's identity, plan, mesh, cast)."""
+    h = hashlib.sha256(job.source.identity().encode())
     h.update(json.dumps(job.plan.to_dict(), sort_keys=True).encode())
     h.update(f"tp={job.mesh.tp}:cast={job.cast}:records={RECORD_FRAMING_VERSION}".encode())
     return h.hexdigest()
 
 
-def _fingerprint(src: CheckpointSource) -> dict[Path, tuple[int, int, str]]:
-    return {h.path: (h.path.stat().st_size, h.path.stat().st_mtime_ns, h.text) for h in src.files}
-
-
-def _check_source_unchanged(src: CheckpointSource, before: dict[Path, tuple[int, int, str]]) -> None:
-    """The source files are still what was read: same size, mtime and header (else the output would mix versions)."""
-    from preshard.sources.safetensors_file import read_header
-
-    for path, (size, mtime, text) in before.items():
-        try:
-            stat = path.stat()
-            same = (stat.st_size, stat.st_mtime_ns) == (size, mtime) and read_header(path).text == text
-        except (OSError, SourceError):
-            same = False
-        if not same:
-            raise SourceError(
-                f"source file {path.name} changed while it was being converted; nothing was committed: re-run the "
-                "command once the source is no longer being written"
-            )
-
-
-def _check_space(output: Path, work: Path, needed: int) -> None:
-    """Refuse up front when the output's file system cannot hold the conversion."""
-    present = sum(f.stat().st_size for f in work.glob("*.distcp")) if work.is_dir() else 0
-    stat = os.statvfs(output.parent)
-    free = stat.f_bavail * stat.f_frsize
-    missing = needed - present
-    if missing > free:
-        from preshard.units import human_bytes
-
-        raise OutputError(
-            f"the conversion needs {human_bytes(missing)} more on the file system of {output.parent}, which has "
-            f"{human_bytes(free)} free; free space or write elsewhere"
-        )
-
-
 def _convert_locked(job: ConversionPlan, output: Path, stop: StopFlag, progress: bool | None) -> Manifest:
     src = job.source
     work = partial_dir(output)
-    config_bytes = src.config_path.read_bytes() if src.config_path is not None else None
-    _check_space(output, work, job.output_bytes + len(config_bytes or b"") + (1 << 20))
-    fingerprint = _fingerprint(src)
+    config_bytes = src.config_bytes()
+    check_space(output, work, job.output_bytes + len(config_bytes or b"") + (1 << 20))
+    identity = src.identity()
     resuming = open_workdir(work, _job_key(job))
-    done, writers = _resume(work, job) if resuming else ({}, _open_writers(work, job, {}))
-    reader = SourceReader(src)
-    bar = Progress(job.output_bytes, "converting", progress, initial=sum(_bytes_of(job, done)))
+    done, writers = resume(work, job.write_order, job.files, job.mesh.tp) if resuming else ({}, {})
+    writers = writers or open_writers(work, job.mesh.tp, {})
+    reader = src.open_reader()
+    bar = Progress(job.output_bytes, "converting", progress, initial=sum(_bytes_of(done)))
     try:
         records = _write_tensors(job, work, reader, writers, done, stop, bar)
         checksums = [writers[r].close() for r in range(job.mesh.tp)]
-        source_hashes = {h.path.name: reader.file_hash(h.path) for h in src.files}
+        source_hashes = reader.file_hashes()
     finally:
         bar.close()
         reader.close()
         for w in writers.values():
             w.abandon()
     stop.check()
-    _check_source_unchanged(src, fingerprint)
+    src.check_unchanged(identity)
     manifest = _manifest(job, records, checksums, source_hashes, config_bytes)
     if config_bytes is not None:
         (work / CONFIG_NAME).write_bytes(config_bytes)
@@ -259,58 +224,16 @@ def _convert_locked(job: ConversionPlan, output: Path, stop: StopFlag, progress:
     return manifest
 
 
-def _bytes_of(job: ConversionPlan, done: dict[str, list[ChunkRecord]]):
+def _bytes_of(done: dict[str, list[ChunkRecord]]):
     for chunks in done.values():
         for c in chunks:
             yield c.framing.length
 
 
-def _open_writers(work: Path, job: ConversionPlan, done: dict[str, list[ChunkRecord]]) -> dict[int, RecordFileWriter]:
-    """One writer per rank file, each adopting (and re-checking) the records of `done`."""
-    writers = {r: RecordFileWriter(work / data_file_name(r)) for r in range(job.mesh.tp)}
-    kept: dict[str, list[ChunkRecord]] = {data_file_name(r): [] for r in range(job.mesh.tp)}
-    for chunks in done.values():
-        for c in chunks:
-            kept[c.file].append(c)
-    try:
-        for r, writer in writers.items():
-            writer.keep(sorted(kept[data_file_name(r)], key=lambda c: c.offset))
-    except BaseException:
-        for writer in writers.values():
-            writer.abandon()
-        raise
-    return writers
-
-
-def _resume(work: Path, job: ConversionPlan) -> tuple[dict[str, list[ChunkRecord]], dict[int, RecordFileWriter]]:
-    """The journalled tensors that are still intact (a prefix of the write order), and writers positioned after them."""
-    entries = read_journal(work)
-    done: dict[str, list[ChunkRecord]] = {}
-    for name, entry in zip(job.write_order, entries):
-        planned = job.files.chunks[name]
-        sums = entry.get("chunks")
-        if entry.get("tensor") != name or not isinstance(sums, list) or len(sums) != len(planned):
-            break
-        if not all(isinstance(s, str) for s in sums):
-            break
-        done[name] = [
-            ChunkRecord(c.tensor, c.owner, c.box, c.file, c.offset, c.framing, s) for c, s in zip(planned, sums)
-        ]
-    while True:
-        try:
-            return done, _open_writers(work, job, done)
-        except CorruptCheckpointError as exc:
-            # Keep only the tensors written before the damaged one, and redo the rest.
-            damaged = next((n for n in done if f" {n} " in f" {exc} "), None)
-            names = list(done)
-            cut = names.index(damaged) if damaged in names else max(0, len(names) - 1)
-            done = {n: done[n] for n in names[:cut]}
-
-
 def _write_tensors(
     job: ConversionPlan,
     work: Path,
-    reader: SourceReader,
+    reader: SourceRows,
     writers: dict[int, RecordFileWriter],
     done: dict[str, list[ChunkRecord]],
     stop: StopFlag,
@@ -327,13 +250,11 @@ def _write_tensors(
             if name in records:
                 continue
             layout = job.layouts[name]
-            entry = job.source.tensors[name]
             planned = job.files.chunks[name]
             written: dict[int, ChunkRecord] = {}
 
-            def read_rows(start: int, count: int, out: torch.Tensor, entry=entry) -> None:
-                offset = entry.start + start * entry.row_bytes
-                reader.read_into(entry, offset, out)
+            def read_rows(start: int, count: int, out: torch.Tensor, name=name) -> None:
+                reader.read_rows(name, start, count, out)
 
             for pieces in tensor_pieces(layout, planned, read_rows, pool):
                 for piece in pieces:
@@ -376,19 +297,6 @@ def _manifest(
 ) -> Manifest:
     from preshard import __version__
 
-    src = job.source
-    hub = src.hub
-    source = Source(
-        kind=src.kind,
-        path=src.given or str(src.path),
-        files=tuple(SourceFile(h.path.name, h.size, source_hashes[h.path.name], h.text) for h in src.files),
-        index_name=src.index_name,
-        index_text=src.index_text,
-        repo_id=getattr(hub, "repo_id", None),
-        subfolder=getattr(hub, "subfolder", None),
-        revision=getattr(hub, "revision", None),
-        commit=getattr(hub, "commit", None),
-    )
     config = None
     if config_bytes is not None:
         digest = file_digest()
@@ -397,13 +305,14 @@ def _manifest(
     tensors = {name: TensorRecord(job.layouts[name], tuple(records[name])) for name in sorted(records)}
     files = tuple(FileRecord(data_file_name(r), job.files.file_sizes[r], checksums[r]) for r in range(job.mesh.tp))
     return Manifest(
-        source=source,
+        source=job.source.source_record(source_hashes),
         mesh=job.mesh,
         plan=job.plan,
         tensors=tensors,
         files=files,
         config=config,
         dtype=job.cast,
+        derived_from=getattr(job.source, "derived_from", None),
         preshard_version=__version__,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     ).sealed()

@@ -21,8 +21,11 @@ import sys
 import time
 from pathlib import Path
 
-from preshard.errors import OutputError
+from preshard.converter.writer import RecordFileWriter
+from preshard.errors import CorruptCheckpointError, OutputError
 from preshard.format.jsonio import fsync_dir
+from preshard.format.layout import ChunkRecord, FileLayout, data_file_name
+from preshard.units import human_bytes
 
 JOURNAL_NAME = "journal.jsonl"
 JOB_NAME = "job.json"
@@ -60,6 +63,23 @@ def check_output(output: Path, source_paths: list[Path], overwrite: bool) -> Pat
     if output.exists() and any(output.iterdir()) and not overwrite:
         raise OutputError(f"output {given} already exists; pass --overwrite to replace it")
     return out
+
+
+def check_space(output: Path, work: Path, needed: int) -> None:
+    """Refuse up front when the output's file system cannot hold the conversion (what a partial holds counts).
+
+    Raises:
+        OutputError: naming what is needed and what is free.
+    """
+    present = sum(f.stat().st_size for f in work.glob("*.distcp")) if work.is_dir() else 0
+    stat = os.statvfs(output.parent)
+    free = stat.f_bavail * stat.f_frsize
+    missing = needed - present
+    if missing > free:
+        raise OutputError(
+            f"the conversion needs {human_bytes(missing)} more on the file system of {output.parent}, which has "
+            f"{human_bytes(free)} free; free space or write elsewhere"
+        )
 
 
 class OutputLock:
@@ -193,3 +213,50 @@ def commit(work: Path, output: Path) -> None:
     else:
         os.rename(work, output)
     fsync_dir(output.parent)
+
+
+def open_writers(work: Path, tp: int, done: dict[str, list[ChunkRecord]]) -> dict[int, RecordFileWriter]:
+    """One writer per rank file, each adopting (and re-checking, framing and data) the records of `done`.
+
+    Raises:
+        CorruptCheckpointError: a kept record does not match what the journal says was written.
+    """
+    writers = {r: RecordFileWriter(work / data_file_name(r)) for r in range(tp)}
+    kept: dict[str, list[ChunkRecord]] = {data_file_name(r): [] for r in range(tp)}
+    for chunks in done.values():
+        for c in chunks:
+            kept[c.file].append(c)
+    try:
+        for r, writer in writers.items():
+            writer.keep(sorted(kept[data_file_name(r)], key=lambda c: c.offset))
+    except BaseException:
+        for writer in writers.values():
+            writer.abandon()
+        raise
+    return writers
+
+
+def resume(
+    work: Path, write_order: list[str], files: FileLayout, tp: int
+) -> tuple[dict[str, list[ChunkRecord]], dict[int, RecordFileWriter]]:
+    """The journalled tensors that are still intact (a prefix of the write order, every record re-checked), and
+    writers positioned right after them: a damaged record and everything written after it is redone."""
+    done: dict[str, list[ChunkRecord]] = {}
+    for name, entry in zip(write_order, read_journal(work)):
+        planned = files.chunks[name]
+        sums = entry.get("chunks")
+        if entry.get("tensor") != name or not isinstance(sums, list) or len(sums) != len(planned):
+            break
+        if not all(isinstance(s, str) for s in sums):
+            break
+        done[name] = [
+            ChunkRecord(c.tensor, c.owner, c.box, c.file, c.offset, c.framing, s) for c, s in zip(planned, sums)
+        ]
+    while True:
+        try:
+            return done, open_writers(work, tp, done)
+        except CorruptCheckpointError as exc:
+            names = list(done)
+            damaged = next((n for n in names if f" {n} " in f" {exc} "), None)
+            cut = names.index(damaged) if damaged is not None else max(0, len(names) - 1)
+            done = {n: done[n] for n in names[:cut]}

@@ -3,9 +3,39 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 from preshard.errors import SourceError
 from preshard.sources.local import CheckpointSource, open_local
+
+if TYPE_CHECKING:
+    import torch
+
+    from preshard.format.manifest import Source
+
+
+class SourceRows(Protocol):
+    """An open source: rows of its tensors, and the file hashes it saw."""
+
+    def read_rows(self, name: str, start: int, count: int, out: torch.Tensor) -> None: ...
+    def file_hashes(self) -> dict[str, str]: ...
+    def close(self) -> None: ...
+
+
+class ConversionSource(Protocol):
+    """What the converter needs of a source: a safetensors checkpoint (`CheckpointSource`) or, to reshard, a
+    converted checkpoint. Tensors are read in bands of whole rows (dim 0), in `read_order()`."""
+
+    config: dict[str, Any] | None
+
+    def shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]: ...
+    def read_order(self) -> list[str]: ...
+    def input_paths(self) -> list[Path]: ...
+    def config_bytes(self) -> bytes | None: ...
+    def identity(self) -> str: ...
+    def check_unchanged(self, identity: str) -> None: ...
+    def open_reader(self) -> SourceRows: ...
+    def source_record(self, file_hashes: dict[str, str]) -> Source: ...
 
 
 def open_source(
@@ -42,4 +72,4 @@ def open_source(
     )
 
 
-__all__ = ["CheckpointSource", "open_source"]
+__all__ = ["CheckpointSource", "ConversionSource", "SourceRows", "open_source"]

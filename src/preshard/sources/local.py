@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from preshard.errors import SourceError
 from preshard.format.jsonio import read_json
 from preshard.sources.safetensors_file import SafetensorsHeader, TensorEntry, read_header
+
+if TYPE_CHECKING:
+    from preshard.format.manifest import Source
+    from preshard.sources.reader import SourceReader
 
 PREFERRED_INDEXES = ("diffusion_pytorch_model.safetensors.index.json", "model.safetensors.index.json")
 CONFIG_NAME = "config.json"
@@ -43,6 +50,68 @@ class CheckpointSource:
         """Tensors by (file, offset): each file is then read once, front to back."""
         order = {h.path: i for i, h in enumerate(self.files)}
         return sorted(self.tensors.values(), key=lambda t: (order[t.path], t.start))
+
+    # -- what the converter asks of any source (see preshard.sources.ConversionSource)
+
+    def shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {name: (entry.shape, entry.dtype) for name, entry in self.tensors.items()}
+
+    def read_order(self) -> list[str]:
+        return [entry.name for entry in self.in_file_order()]
+
+    def input_paths(self) -> list[Path]:
+        """Files the output must not overlap."""
+        return [h.path for h in self.files]
+
+    def config_bytes(self) -> bytes | None:
+        return self.config_path.read_bytes() if self.config_path is not None else None
+
+    def identity(self) -> str:
+        """What must not change for a partial conversion of this source to be resumed (cheap: no data read)."""
+        h = hashlib.sha256()
+        for header in self.files:
+            stat = header.path.stat()
+            h.update(f"{header.path.name}:{stat.st_size}:{stat.st_mtime_ns}:{header.text}".encode())
+        return h.hexdigest()
+
+    def check_unchanged(self, identity: str) -> None:
+        """Raises SourceError when a file changed (size, mtime or header) since `identity` was taken."""
+        for header in self.files:
+            try:
+                stat = header.path.stat()
+                same = (stat.st_size, stat.st_mtime_ns) == (header.size, header.mtime_ns)
+                same = same and read_header(header.path).text == header.text
+            except (OSError, SourceError):
+                same = False
+            if not same:
+                raise SourceError(
+                    f"source file {header.path.name} changed while it was being converted; nothing was committed: "
+                    "re-run the command once the source is no longer being written"
+                )
+        if self.identity() != identity:
+            raise SourceError("the source changed while it was being converted; re-run the command")
+
+    def open_reader(self) -> SourceReader:
+        from preshard.sources.reader import SourceReader
+
+        return SourceReader(self)
+
+    def source_record(self, file_hashes: dict[str, str]) -> Source:
+        """The manifest's provenance of this source, with the file hashes computed while converting."""
+        from preshard.format.manifest import Source, SourceFile
+
+        hub = self.hub
+        return Source(
+            kind=self.kind,
+            path=self.given or str(self.path),
+            files=tuple(SourceFile(h.path.name, h.size, file_hashes[h.path.name], h.text) for h in self.files),
+            index_name=self.index_name,
+            index_text=self.index_text,
+            repo_id=getattr(hub, "repo_id", None),
+            subfolder=getattr(hub, "subfolder", None),
+            revision=getattr(hub, "revision", None),
+            commit=getattr(hub, "commit", None),
+        )
 
 
 def open_local(path: str | Path) -> CheckpointSource:

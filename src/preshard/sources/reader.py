@@ -28,9 +28,10 @@ def hash_file(path: Path) -> str:
 
 
 class SourceReader:
-    """Reads row ranges of source tensors into fresh tensors, hashing files read in order."""
+    """Reads row ranges of source tensors into caller buffers, hashing files read in order."""
 
     def __init__(self, source: CheckpointSource) -> None:
+        self.tensors = source.tensors
         self.files = {h.path: h for h in source.files}
         self.fds = {path: os.open(path, os.O_RDONLY) for path in self.files}
         self.digests = {path: xxhash.xxh3_128() for path in self.files}
@@ -38,15 +39,10 @@ class SourceReader:
         for path, header in self.files.items():
             self._feed(path, 0, os.pread(self.fds[path], header.header_bytes, 0))
 
-    def rows(self, entry: TensorEntry, row_start: int, rows: int) -> torch.Tensor:
-        """Rows `[row_start, row_start + rows)` along dim 0 of `entry` (all of a 0-dim tensor)."""
-        shape = (rows, *entry.shape[1:]) if entry.shape else ()
-        out = torch.empty(shape, dtype=entry.dtype)
-        offset = entry.start + (row_start * entry.row_bytes if entry.shape else 0)
-        view = byte_view(out)
-        pread_into(self.fds[entry.path], offset, [view], entry.path.name)
-        self._feed(entry.path, offset, view)
-        return out
+    def read_rows(self, name: str, start: int, count: int, out: torch.Tensor) -> None:
+        """Fill the flat uint8 `out` with rows `[start, start + count)` along dim 0 of tensor `name`."""
+        entry = self.tensors[name]
+        self.read_into(entry, entry.start + start * entry.row_bytes, out)
 
     def read_into(self, entry: TensorEntry, offset: int, out: torch.Tensor) -> None:
         """Fill the flat uint8 `out` with `entry`'s file bytes at absolute `offset`."""
@@ -65,6 +61,10 @@ class SourceReader:
         if self.positions[path] == self.files[path].size:
             return self.digests[path].hexdigest()
         return hash_file(path)
+
+    def file_hashes(self) -> dict[str, str]:
+        """Each source file's xxh3_128 (from the in-order read where there was one, else a separate pass)."""
+        return {path.name: self.file_hash(path) for path in self.files}
 
     def close(self) -> None:
         for fd in self.fds.values():

@@ -51,6 +51,7 @@ class SafetensorsHeader:
     tensors: dict[str, TensorEntry]
     metadata: dict[str, str]
     text: str  # the header JSON exactly as stored (padding included)
+    mtime_ns: int = 0  # when the header was read
 
 
 def _is_int(value: object) -> bool:
@@ -66,7 +67,8 @@ def read_header(path: Path) -> SafetensorsHeader:
     path = Path(path)
     where = path.name
     try:
-        size = path.stat().st_size
+        stat = path.stat()
+        size = stat.st_size
         with open(path, "rb") as f:
             prefix = f.read(8)
             if len(prefix) < 8:
@@ -82,10 +84,10 @@ def read_header(path: Path) -> SafetensorsHeader:
             raw = f.read(length)
     except OSError as exc:
         raise SourceError(f"cannot read {where}: {exc.strerror or exc}") from None
-    return parse_header(path, size, raw)
+    return parse_header(path, size, raw, stat.st_mtime_ns)
 
 
-def parse_header(path: Path, size: int, raw: bytes) -> SafetensorsHeader:
+def parse_header(path: Path, size: int, raw: bytes, mtime_ns: int = 0) -> SafetensorsHeader:
     """Validate a header's JSON bytes `raw` for a file of `size` bytes (the file itself is not read)."""
     where = Path(path).name
     try:
@@ -111,7 +113,7 @@ def parse_header(path: Path, size: int, raw: bytes) -> SafetensorsHeader:
         position = end
     if position != size:
         raise SourceError(f"{where}: {size - position} trailing bytes belong to no tensor; the file is corrupt")
-    return SafetensorsHeader(Path(path), size, data_start, tensors, metadata, text)
+    return SafetensorsHeader(Path(path), size, data_start, tensors, metadata, text, mtime_ns)
 
 
 def _entry(path: Path, name: str, info: Any, data_start: int, data_size: int) -> TensorEntry:
