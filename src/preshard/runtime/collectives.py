@@ -5,15 +5,29 @@ switch (`NeuronRuleChecker`) can validate and record all of them. The checker en
 (gloo in tests), the rules that Neuron and XLA impose: all-to-all only over contiguous ascending ranks,
 all-gather only with equal sizes on every rank. Without it a strided group or a ragged all-gather would
 only fail (or hang) on the device.
+
+On the xla backend (torch_xla, and torch-neuronx built on it) the collectives do not go through
+`torch.distributed`: torch_xla's ProcessGroupXla ignores the group in all-to-all, gives a subgroup only its
+own replica group, and turns batch_isend_irecv into one collective_permute per pair, issued in a
+rank-dependent order. Instead each collective calls torch_xla's own primitive with the replica groups of
+the whole mesh axis, identical on every rank: `xm.all_reduce(groups=)`, `xm.all_gather(groups=)`,
+`xm.all_to_all(groups=)`, and for a ring pass one `xm.collective_permute` whose pairs cover every ring of
+the axis in one global order. Those replica groups come from `check_backend_supports`, which the runtime
+calls once after building the mesh's groups; it also refuses, in one line, a mesh the backend cannot run
+(PJRT CPU across processes, torch_xla seeing another world size, Neuron's all-to-all over strided ranks).
+A collective over a group it was not told about raises rather than guess. Untested on TPU/GPU/Neuron.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+
+from preshard.errors import DeviceError
 
 __all__ = [
     "CollectiveCall",
@@ -22,6 +36,7 @@ __all__ = [
     "all_gather_cat",
     "all_reduce_sum",
     "all_to_all_equal",
+    "check_backend_supports",
     "group_ranks",
     "PendingRingPass",
     "ring_pass",
@@ -76,6 +91,11 @@ class NeuronRuleChecker:
 
 _ACTIVE: NeuronRuleChecker | None = None
 
+# xla: group ranks (in group order) -> every group of that mesh axis, as torch_xla's replica groups.
+_XLA_REPLICA_GROUPS: dict[tuple[int, ...], list[list[int]]] = {}
+# The mesh axis whose groups carry all-to-all (Ulysses): Neuron needs them contiguous and ascending.
+_ALL_TO_ALL_AXIS = "ulysses"
+
 
 def group_ranks(group: ProcessGroup | None) -> list[int]:
     """Global ranks of `group` in group-rank order (the default group when None)."""
@@ -95,7 +115,12 @@ def all_reduce_sum(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Te
     if _ACTIVE is not None:
         _ACTIVE._record("all_reduce_sum", ranks, tensor)
     if len(ranks) > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+        if _is_xla(group):
+            xm = _xla_model()
+            # The list form reduces in place.
+            xm.all_reduce(xm.REDUCE_SUM, [tensor], groups=_replica_groups(ranks, "all_reduce_sum"), pin_layout=False)
+        else:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor
 
 
@@ -109,9 +134,18 @@ def all_gather_cat(tensor: torch.Tensor, group: ProcessGroup | None, dim: int) -
         return tensor
     dim = dim % tensor.dim()
     moved = tensor.movedim(dim, 0).contiguous()
+    return _gather_dim0(moved, group, ranks, "all_gather_cat").movedim(0, dim)
+
+
+def _gather_dim0(moved: torch.Tensor, group: ProcessGroup | None, ranks: list[int], op: str) -> torch.Tensor:
+    """Concatenate every group rank's `moved` along dim 0, in group-rank order."""
+    if _is_xla(group):
+        # XLA concatenates in the order the replica group lists its members, which is group-rank order.
+        groups = _replica_groups(ranks, op)
+        return _xla_model().all_gather(moved, dim=0, groups=groups, pin_layout=False)
     out = moved.new_empty((len(ranks) * moved.shape[0], *moved.shape[1:]))
     _ALL_GATHER_SINGLE(out, moved, group=group)
-    return out.movedim(0, dim)
+    return out
 
 
 def all_to_all_equal(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
@@ -131,6 +165,10 @@ def all_to_all_equal(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.
     if len(ranks) == 1:
         return tensor
     tensor = tensor.contiguous()
+    if _is_xla(group):
+        # torch_xla's all_to_all_single ignores the group (it splits over the whole world): call XLA directly.
+        groups = _replica_groups(ranks, "all_to_all_equal")
+        return _xla_model().all_to_all(tensor, 0, 0, len(ranks), groups=groups, pin_layout=False)
     out = torch.empty_like(tensor)
     dist.all_to_all_single(out, tensor, group=group)
     return out
@@ -162,6 +200,13 @@ def ring_pass_async(tensor: torch.Tensor, group: ProcessGroup | None) -> Pending
     n = len(ranks)
     if n == 1:
         return PendingRingPass(tensor, [], tensor)
+    if _is_xla(group):
+        # One collective_permute for every ring of the axis, pairs in one global order, the same on every
+        # rank (torch_xla's batch_isend_irecv would issue a permute per pair, in a rank-dependent order).
+        rings = _replica_groups(ranks, "ring_pass")
+        pairs = [[ring[i], ring[(i + 1) % len(ring)]] for ring in rings for i in range(len(ring))]
+        out = _xla_model().collective_permute(tensor.contiguous(), pairs=pairs)
+        return PendingRingPass(out, [], tensor)
     me = dist.get_rank(group)
     send_to = dist.get_global_rank(group, (me + 1) % n)
     recv_from = dist.get_global_rank(group, (me - 1) % n)
@@ -188,8 +233,11 @@ def _check_equal_shapes(tensor: torch.Tensor, group: ProcessGroup | None, ranks:
     desc = [tensor.dim(), tensor.element_size(), *tensor.shape]
     desc += [-1] * (_MAX_SHAPE_DIMS + 2 - len(desc))
     mine = torch.tensor(desc, dtype=torch.int64, device=tensor.device)
-    everyone = [torch.empty_like(mine) for _ in ranks]
-    dist.all_gather(everyone, mine, group=group)
+    if _is_xla(group):
+        everyone = list(_gather_dim0(mine.unsqueeze(0), group, ranks, op).cpu())
+    else:
+        everyone = [torch.empty_like(mine) for _ in ranks]
+        dist.all_gather(everyone, mine, group=group)
     seen = [tuple(t.tolist()) for t in everyone]
     if any(s != seen[0] for s in seen):
         shapes = [tuple(v for v in s[2 : 2 + s[0]]) for s in seen]
@@ -199,3 +247,86 @@ def _check_equal_shapes(tensor: torch.Tensor, group: ProcessGroup | None, ranks:
             ranks,
             f"shapes by rank {shapes}, itemsizes {[s[1] for s in seen]}",
         )
+
+
+# ---------------------------------------------------------------- backends
+
+
+def check_backend_supports(
+    backend: str,
+    axis_groups: Mapping[str, Sequence[Sequence[int]]],
+    world_size: int,
+    *,
+    neuron: bool = False,
+) -> None:
+    """Call once per rank after building the mesh's groups: refuse, in one line, a mesh the backend cannot run.
+
+    `axis_groups` maps each mesh axis ("tp", "ring", "ulysses", "cp") to every group of that axis, each in
+    group-rank order (`MeshSpec.groups(axis)`). On xla this also records them as torch_xla's replica groups,
+    which every XLA collective needs whole, identical on every rank. `neuron`: apply Neuron's rule that
+    all-to-all groups are contiguous ascending ranks (the default axis order keeps to it).
+    """
+    partitions = {axis: [list(g) for g in groups] for axis, groups in axis_groups.items()}
+    multi = {axis: groups for axis, groups in partitions.items() if any(len(g) > 1 for g in groups)}
+    strided = [g for g in multi.get(_ALL_TO_ALL_AXIS, []) if g != list(range(g[0], g[0] + len(g)))]
+    if neuron and strided:
+        raise DeviceError(
+            f"Neuron's all-to-all needs contiguous ascending rank groups but the {_ALL_TO_ALL_AXIS} groups "
+            f"include {strided[0]}; load with the default order tp,ring,ulysses (ulysses last)"
+        )
+    if backend != "xla" or not multi:
+        return
+    import torch_xla.runtime as xr
+
+    platform = xr.device_type() or "unset"
+    if platform == "CPU":
+        raise DeviceError(
+            f"PJRT_DEVICE=CPU cannot run collectives between processes, and this mesh needs them over "
+            f"{', '.join(multi)}; use device='cpu' (gloo) for multi-rank CPU runs, or XLA on TPU/GPU/Neuron"
+        )
+    if xr.world_size() != world_size:
+        raise DeviceError(
+            f"torch_xla sees {xr.world_size()} devices (xr.world_size()) but the job has {world_size} ranks; "
+            "initialise the process group with init_method='xla://' (preshard does when it initialises it)"
+        )
+    for axis, groups in multi.items():
+        members = sorted(r for g in groups for r in g)
+        if members != list(range(world_size)) or len({len(g) for g in groups}) != 1:
+            raise DeviceError(
+                f"XLA replica groups must split ranks 0..{world_size - 1} into equal groups, but the {axis} "
+                f"groups are {groups}; use a mesh whose axes multiply to the world size"
+            )
+    for groups in multi.values():
+        for g in groups:
+            _XLA_REPLICA_GROUPS[tuple(g)] = groups
+
+
+def _is_xla(group: ProcessGroup | None) -> bool:
+    return str(dist.get_backend(group)).lower() == "xla"
+
+
+def _xla_model():
+    import torch_xla.core.xla_model as xm
+
+    return xm
+
+
+def _replica_groups(ranks: list[int], op: str) -> list[list[int]]:
+    """torch_xla's replica groups for a collective over `ranks`: every group of its mesh axis."""
+    import torch_xla.runtime as xr
+
+    # xm.all_reduce returns its input unchanged when torch_xla sees one device: never let that pass.
+    if xr.world_size() != dist.get_world_size():
+        raise DeviceError(
+            f"{op}: torch_xla sees {xr.world_size()} devices (xr.world_size()) but the process group has "
+            f"{dist.get_world_size()} ranks; initialise it with init_method='xla://'"
+        )
+    groups = _XLA_REPLICA_GROUPS.get(tuple(ranks))
+    if groups is not None:
+        return groups
+    if sorted(ranks) == list(range(dist.get_world_size())):
+        return [list(ranks)]
+    raise CollectiveRuleViolation(
+        f"{op} over ranks {ranks} on xla: XLA needs every group of the mesh axis; call "
+        "collectives.check_backend_supports once after building the mesh groups"
+    )
