@@ -14,6 +14,7 @@ from preshard.errors import MismatchError, UsageError
 from preshard.format.dtypes import parse_cast
 from preshard.format.manifest import Manifest, read_manifest
 from preshard.format.mesh import MeshSpec
+from preshard.runtime import collectives
 from preshard.runtime.construct import (
     build_model,
     check_against_manifest,
@@ -90,6 +91,12 @@ def _load_sharded(
     rank_device = init_rank_device(device)
     run_mesh = _run_mesh(manifest, rank_device, mesh, cp, ring, ulysses, order)
     groups = build_groups(run_mesh, rank_device.rank)
+    collectives.check_backend_supports(
+        rank_device.backend,
+        {axis: run_mesh.groups(axis) for axis in ("tp", "ring", "ulysses", "cp")},
+        run_mesh.world_size,
+        neuron=rank_device.kind == "neuron",
+    )
     tp_rank = groups.coords["tp"]
 
     net = build_model(model, checkpoint, config)
