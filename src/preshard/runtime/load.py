@@ -107,15 +107,18 @@ def _load_sharded(
     report.heads_divided = divide_heads(net, manifest)
 
     keep_fp32 = list(getattr(type(net), "_keep_in_fp32_modules", None) or [])
+    locals_ = {
+        name: torch.empty(
+            record.layout.local_shape(manifest.tp),
+            dtype=_target_dtype(name, record.layout.dtype, cast, keep_fp32),
+            device=rank_device.device,
+        )
+        for name, record in manifest.tensors.items()
+    }
     with ShardReader(checkpoint, manifest, tp_rank, verify=verify, pin=rank_device.pin_host_memory) as reader:
-        for name, record in manifest.tensors.items():
-            local = torch.empty(
-                record.layout.local_shape(manifest.tp),
-                dtype=_target_dtype(name, record.layout.dtype, cast, keep_fp32),
-                device=rank_device.device,
-            )
-            reader.read(name, local)
-            _assign(net, name, local)
+        reader.read_all(locals_)
+    for name, local in locals_.items():
+        _assign(net, name, local)
     report.bytes_read, report.chunks_read = reader.stats.bytes_read, reader.stats.chunks
     report.files_read, report.verified, report.read_seconds = reader.stats.files, verify, reader.stats.seconds
 
