@@ -269,3 +269,22 @@ def test_fuzz_resealed_edits_through_load_sharded_are_refused_or_compute_the_sam
         out = model(**tiny_inputs, return_dict=False)
     for got, want in zip(out, reference):
         assert torch.equal(got, want), "an edit that was not refused changed the model's output"
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda m: m["plan"].update(attention=5),
+        lambda m: m["plan"]["attention"][0].update(divide="heads"),
+        lambda m: m["plan"]["attention"][0].update(context_parallel="yes"),
+        lambda m: m["plan"].update(cp_plan={"proj_out": {"gather_output": {"dim": "1"}}}),
+        lambda m: m["plan"]["linear"][0].update(style=7),
+    ],
+    ids=["attention-not-a-list", "divide-not-a-list", "cp-not-a-bool", "cp-plan-dim", "style-not-a-name"],
+)
+def test_a_malformed_plan_inside_a_resealed_manifest_is_refused_before_any_forward(converted, private_copy, edit):
+    checkpoint = private_copy(converted("mixed", 2))
+    edit_manifest(checkpoint, edit)
+    with pytest.raises(PreshardError, match="plan"):
+        read_manifest(checkpoint)
+    assert not verify_checkpoint(checkpoint).ok
