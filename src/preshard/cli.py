@@ -171,6 +171,60 @@ def verify_command(checkpoint, source, subfolder, revision, token, as_json, prog
         sys.exit(EXIT_PROBLEMS)
 
 
+@main.command(name="reshard", epilog=EXIT_CODES_HELP)
+@click.argument("checkpoint")
+@click.argument("output", type=click.Path(path_type=str))
+@click.option("--tp", type=click.IntRange(min=1), required=True, help="New tensor-parallel degree.")
+@click.option("--cp", type=click.IntRange(min=1), default=None, help="Context-parallel degree (= --ulysses N).")
+@click.option("--ring", type=click.IntRange(min=1), default=None, help="Ring-attention degree.")
+@click.option("--ulysses", type=click.IntRange(min=1), default=None, help="Ulysses degree.")
+@click.option("--order", default=None, help="Mesh axis order (default: the checkpoint's).")
+@click.option("--revision", default=None, help="Hub branch, tag or commit of a Hub CHECKPOINT.")
+@click.option("--token", default=None, help="Hub token (default: HF_TOKEN or the saved login).")
+@click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists.")
+@click.option("--wait", is_flag=True, help="Wait for another conversion into OUTPUT to finish instead of failing.")
+@_progress_option
+@user_errors
+def reshard_command(checkpoint, output, tp, cp, ring, ulysses, order, revision, token, overwrite, wait, progress):
+    """Write CHECKPOINT (a converted folder or Hub repo id) for another mesh into OUTPUT; no source needed.
+
+    CP options left out keep the checkpoint's. The same TP degree (a CP-only change) links the data files and
+    writes only a new manifest.
+    """
+    from preshard.tools.inspect import summary_line
+    from preshard.tools.reshard import reshard_checkpoint
+
+    manifest = reshard_checkpoint(
+        checkpoint, output, tp=tp, cp=cp, ring=ring, ulysses=ulysses, order=order, revision=revision, token=token,
+        overwrite=overwrite, wait=wait, progress=progress,
+    )  # fmt: skip
+    click.echo(summary_line(manifest, output))
+
+
+@main.command(name="unshard", epilog=EXIT_CODES_HELP)
+@click.argument("checkpoint")
+@click.argument("output", type=click.Path(path_type=str))
+@click.option("--revision", default=None, help="Hub branch, tag or commit of a Hub CHECKPOINT.")
+@click.option("--token", default=None, help="Hub token (default: HF_TOKEN or the saved login).")
+@click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists.")
+@_progress_option
+@user_errors
+def unshard_command(checkpoint, output, revision, token, overwrite, progress):
+    """Rebuild the source safetensors checkpoint of CHECKPOINT in OUTPUT, bit for bit, in its own layout.
+
+    Same file names, headers and index as the source, and config.json. Refused for a checkpoint converted with
+    a --dtype that lost precision.
+    """
+    from preshard.tools.unshard import unshard_checkpoint
+    from preshard.units import human_bytes
+
+    files = unshard_checkpoint(
+        checkpoint, output, revision=revision, token=token, overwrite=overwrite, progress=progress
+    )
+    size = sum(f.stat().st_size for f in files)
+    click.echo(f"wrote {output}: {len(files)} files, {human_bytes(size)}; every file matches the source")
+
+
 @main.command()
 @click.option("--tp", type=click.IntRange(min=1), default=2, show_default=True, help="Tensor-parallel degree.")
 @click.option("--ring", type=click.IntRange(min=1), default=1, show_default=True, help="Ring-attention degree.")

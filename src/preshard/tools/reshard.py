@@ -1,0 +1,151 @@
+"""`preshard reshard IN OUT --tp N`: a converted checkpoint for another mesh, without the original source.
+
+A TP change re-slices every sharded tensor: the input is read as a conversion source
+(`preshard.sources.presharded`: rows assembled from the chunks, each chunk's framing and checksum checked)
+and written by the converter's own writer (`plan_conversion` + `write_conversion`): the same plan (the
+input manifest's), the same cast, the same atomic, resumable, locked output. The result is byte for byte
+what converting the original source at the new degree gives (only the manifest's `created`,
+`derived_from` and digest differ), and its manifest records the original source, so `preshard verify OUT
+--source ORIGINAL` compares it with the original bit for bit.
+
+A CP-only change (same TP degree) changes no weight: the data files, `.metadata` and `config.json` are
+hard-linked where the file system allows (else copied) and only the manifest is written anew, for the new
+mesh. Hard links share the input's bytes: preshard never modifies a file in place (a conversion into an
+existing folder writes new files and swaps the folder), so neither checkpoint can change the other.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import os
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+from preshard.converter.convert import plan_conversion, resolve_mesh, write_conversion
+from preshard.converter.signals import deferred_signals
+from preshard.converter.workdir import OutputLock, check_output, commit, partial_dir
+from preshard.errors import OutputError
+from preshard.format.jsonio import fsync_file, write_json_atomic
+from preshard.format.manifest import DCP_METADATA_NAME, MANIFEST_NAME, Manifest
+from preshard.format.mesh import MeshSpec
+from preshard.sources.presharded import PreshardedSource, open_presharded
+from preshard.units import human_bytes
+
+# errno values for which a hard link cannot be made here and the file is copied instead
+_NO_LINK = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EACCES}
+
+
+def reshard_checkpoint(
+    input: str | Path,
+    output: str | Path,
+    *,
+    mesh: MeshSpec | None = None,
+    tp: int | None = None,
+    cp: int | None = None,
+    ring: int | None = None,
+    ulysses: int | None = None,
+    order: str | tuple[str, ...] | None = None,
+    subfolder: str | None = None,
+    revision: str | None = None,
+    token: str | bool | None = None,
+    overwrite: bool = False,
+    wait: bool = False,
+    progress: bool | None = None,
+) -> Manifest:
+    """Write `input` (a converted checkpoint) resharded for another mesh into `output`; the source is not needed.
+
+    Args:
+        input: a converted checkpoint folder, or a Hub repo id of one (a local path of the same spelling wins).
+        output: the folder to create, atomically (it appears complete or not at all); a re-run resumes.
+        mesh: the new mesh; or the keywords: `tp` (default: the input's), `cp` (= Ulysses) or `ring`/`ulysses`,
+            `order`. Keywords left out keep the input's value (so `tp=4` alone keeps its CP layout).
+        subfolder, revision, token: for a Hub repo.
+        overwrite: replace an existing `output`.
+        wait: wait for another conversion into `output` to finish instead of failing at once.
+        progress: show progress (default: when stderr is a terminal).
+
+    Returns:
+        The manifest written to `output/manifest.json` (with `derived_from` naming `input`).
+
+    Raises:
+        PlanError: the plan cannot split the tensors at the new TP degree (the message lists the degrees that work).
+        CorruptCheckpointError / ChecksumMismatch: the input is incomplete or damaged (nothing is committed).
+        UsageError, OutputError, SourceError, Interrupted: as `convert_checkpoint`.
+    """
+    source = open_presharded(input, subfolder=subfolder, revision=revision, token=token)
+    new_mesh = resolve_mesh(mesh, tp, cp, ring, ulysses, order, default=source.manifest.mesh)
+    output = Path(output)
+    if new_mesh.tp == source.manifest.tp:
+        return _relink(source, output, new_mesh, overwrite=overwrite, wait=wait)
+    job = plan_conversion(source, mesh=new_mesh, plan=source.manifest.plan, dtype=source.manifest.dtype)
+    return write_conversion(job, output, overwrite=overwrite, wait=wait, progress=progress)
+
+
+def _relink(source: PreshardedSource, output: Path, mesh: MeshSpec, *, overwrite: bool, wait: bool) -> Manifest:
+    """Same TP degree: link (or copy) the data, write a manifest for `mesh`, commit atomically."""
+    from preshard import __version__
+
+    manifest = source.manifest
+    names = [f.name for f in manifest.files] + [DCP_METADATA_NAME]
+    if manifest.config is not None:
+        names.append(manifest.config.name)
+    check_output(output, source.input_paths(), overwrite)
+    with OutputLock(output, wait=wait), deferred_signals() as stop:
+        check_output(output, source.input_paths(), overwrite)
+        work = partial_dir(output)
+        if work.is_symlink() or work.is_file():
+            work.unlink()
+        elif work.exists():
+            shutil.rmtree(work)
+        work.mkdir()
+        try:
+            identity = source.identity()
+            linking = True
+            for i, name in enumerate(names):
+                if linking:
+                    linking = _link(source.folder / name, work / name)
+                    if not linking:  # this file system cannot link them: copy all that is left, if it fits
+                        _check_free(output, sum((source.folder / n).stat().st_size for n in names[i:]))
+                if not linking:
+                    shutil.copyfile(source.folder / name, work / name)
+                    fsync_file(work / name)
+                stop.check()
+            source.check_unchanged(identity)
+            created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+            new = replace(
+                manifest.with_mesh(mesh, derived_from=source.derived_from), preshard_version=__version__,
+                created=created,
+            ).sealed()  # fmt: skip
+            write_json_atomic(work / MANIFEST_NAME, new.to_dict())
+            stop.check()
+            commit(work, output)
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)  # nothing worth resuming: links are instant
+            raise
+    return new
+
+
+def _link(src: Path, dst: Path) -> bool:
+    """Hard-link `src` (following a symlink, as in a Hub cache) to `dst`; False where this file system cannot."""
+    try:
+        os.link(src, dst, follow_symlinks=True)
+        return True
+    except OSError as exc:
+        if exc.errno in _NO_LINK:
+            return False
+        raise
+
+
+def _check_free(output: Path, needed: int) -> None:
+    stat = os.statvfs(output.parent)
+    free = stat.f_bavail * stat.f_frsize
+    if needed > free:
+        raise OutputError(
+            f"{output.parent} cannot hard-link the input's files and has {human_bytes(free)} free for a copy of "
+            f"{human_bytes(needed)}; free space or write elsewhere"
+        )
+
+
+__all__ = ["reshard_checkpoint"]
