@@ -116,9 +116,11 @@ def _rank_folder(
     token: str | bool | None,
 ) -> Path:
     """This rank's folder in the assets cache: links to the downloaded files, sparse files with its records."""
-    from huggingface_hub import cached_assets_path
+    from huggingface_hub import cached_assets_path, constants
 
-    root = cached_assets_path(LIBRARY, namespace=repo_id.replace("/", "--"), subfolder=commit)
+    # The assets folder as configured now (cached_assets_path's own default is bound when huggingface_hub is imported).
+    assets = constants.HF_ASSETS_CACHE
+    root = cached_assets_path(LIBRARY, namespace=repo_id.replace("/", "--"), subfolder=commit, assets_dir=assets)
     final = root / f"tp{rank}-of-{manifest.tp}"
     if _complete(final, manifest):
         return final
