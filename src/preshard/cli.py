@@ -3,6 +3,13 @@
 Exit status: 0 success; 1 `verify` found problems; 2 a usage or input error (one line, `error: ...`, no
 traceback); 130 interrupted by SIGINT, 143 by SIGTERM (a conversion keeps its finished part: re-run the
 same command to resume).
+
+Conventions: `--help`/`-h` on every command (with the exit codes), `--version` on both entry points, `--json` where
+a program may read the output (inspect, verify, plan), and `--progress/--no-progress` where there is long work
+measured in bytes (convert, verify: on by default when stderr is a terminal, plain periodic lines when it is not; it
+also switches huggingface_hub's download bars). `inspect` and `plan` have none: they read a manifest or safetensors
+headers and finish in moments. `demo` has none: it prints each of its steps as a numbered line, its conversion of
+a few MB takes well under a second, and its long step (the torchrun job) has no byte count to show.
 """
 
 from __future__ import annotations
@@ -12,6 +19,8 @@ import functools
 import json
 import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import click
 
@@ -88,6 +97,33 @@ def _positive(name: str):
     return click.option(f"--{name}", type=click.IntRange(min=1), default=None)
 
 
+@contextmanager
+def _hub_progress(progress: bool | None) -> Iterator[None]:
+    """huggingface_hub's download bars follow --progress/--no-progress (off by default when stderr is no terminal)."""
+    show = sys.stderr.isatty() if progress is None else progress
+    try:
+        from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+    except ImportError:  # pragma: no cover - huggingface_hub is a dependency
+        yield
+        return
+    was_disabled = are_progress_bars_disabled()
+    if not show:
+        disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not show and not was_disabled:
+            enable_progress_bars()
+
+
+def _hub_options(fn):
+    fn = click.option("--token", default=None, help="Hub token (default: HF_TOKEN or the saved login).")(fn)
+    fn = click.option("--revision", default=None, help="Hub branch, tag or commit (default: the default branch).")(fn)
+    return click.option(
+        "--subfolder", default=None, help="Folder inside SOURCE (a Hub repo or local folder), e.g. transformer."
+    )(fn)
+
+
 @click.command(name="convert-checkpoint", cls=Command, context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
 @click.argument("source")
 @click.argument("output", type=click.Path(path_type=str))
@@ -98,25 +134,46 @@ def _positive(name: str):
 @click.option("--order", default=None, help="Mesh axis order, default tp,ring,ulysses (last varies fastest).")
 @click.option("--plan", "plan", default=None, help="Built-in plan name or JSON plan file (default: from config.json).")
 @click.option("--dtype", default=None, help="Cast floating tensors: bf16, fp16 or fp32 (default: keep each dtype).")
-@click.option("--subfolder", default=None, help="Folder inside SOURCE (a Hub repo or local folder), e.g. transformer.")
-@click.option("--revision", default=None, help="Hub branch, tag or commit (default: the default branch).")
-@click.option("--token", default=None, help="Hub token (default: HF_TOKEN or the saved login).")
+@_hub_options
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists.")
 @click.option("--wait", is_flag=True, help="Wait for another conversion into OUTPUT to finish instead of failing.")
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Resolve source (Hub: headers only), plan and mesh; print per-rank bytes, output size, free space and a "
+    "time estimate from a short read/write probe; write nothing.",
+)
 @_progress_option
 @click.version_option(__version__, "--version", prog_name="convert-checkpoint")
 @user_errors
 def convert_checkpoint_command(
-    source, output, tp, cp, ring, ulysses, order, plan, dtype, subfolder, revision, token, overwrite, wait, progress
-):
+    source, output, tp, cp, ring, ulysses, order, plan, dtype, subfolder, revision, token, overwrite, wait, dry_run,
+    progress,
+):  # fmt: skip
     """Slice SOURCE (.safetensors file, diffusers weights folder or Hub repo id) into per-rank shards in OUTPUT."""
-    from preshard.converter.convert import convert_checkpoint
+    from preshard.converter.convert import convert_checkpoint, resolve_mesh
+
+    if dry_run:
+        from preshard.tools.planner import dry_run as plan_dry_run
+        from preshard.tools.planner import dry_run_text
+
+        mesh = resolve_mesh(None, tp, cp, ring, ulysses, order)
+        with _hub_progress(progress):
+            report = plan_dry_run(
+                source, output, mesh=mesh, plan=plan, dtype=dtype, subfolder=subfolder, revision=revision,
+                token=token, overwrite=overwrite,
+            )  # fmt: skip
+        click.echo(dry_run_text(report))
+        if report.space_error:
+            _fail(report.space_error)
+        return
     from preshard.tools.inspect import summary_line
 
-    manifest = convert_checkpoint(
-        source, output, tp=tp, cp=cp, ring=ring, ulysses=ulysses, order=order, plan=plan, dtype=dtype,
-        subfolder=subfolder, revision=revision, token=token, overwrite=overwrite, wait=wait, progress=progress,
-    )  # fmt: skip
+    with _hub_progress(progress):
+        manifest = convert_checkpoint(
+            source, output, tp=tp, cp=cp, ring=ring, ulysses=ulysses, order=order, plan=plan, dtype=dtype,
+            subfolder=subfolder, revision=revision, token=token, overwrite=overwrite, wait=wait, progress=progress,
+        )  # fmt: skip
     click.echo(summary_line(manifest, output))
 
 
@@ -129,7 +186,7 @@ def main() -> None:
 main.add_command(convert_checkpoint_command, name="convert")
 
 
-@main.command()
+@main.command(epilog=EXIT_CODES_HELP)
 @click.argument("checkpoint", type=click.Path(path_type=str))
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 @user_errors
@@ -158,9 +215,10 @@ def verify_command(checkpoint, source, subfolder, revision, token, as_json, prog
     """
     from preshard.tools.verify import verify_checkpoint
 
-    result = verify_checkpoint(
-        checkpoint, source=source, subfolder=subfolder, revision=revision, token=token, progress=progress
-    )
+    with _hub_progress(progress):
+        result = verify_checkpoint(
+            checkpoint, source=source, subfolder=subfolder, revision=revision, token=token, progress=progress
+        )
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=1))
     else:
@@ -225,7 +283,35 @@ def unshard_command(checkpoint, output, revision, token, overwrite, progress):
     click.echo(f"wrote {output}: {len(files)} files, {human_bytes(size)}; every file matches the source")
 
 
-@main.command()
+@main.command(name="plan", epilog=EXIT_CODES_HELP)
+@click.argument("source")
+@click.option("--devices", type=click.IntRange(min=1), default=None, help="Devices in the job (default: TP alone).")
+@click.option(
+    "--device-memory", type=click.FloatRange(min=0, min_open=True), default=None, help="Memory of one device, GiB."
+)
+@click.option("--plan", "plan", default=None, help="Built-in plan name or JSON plan file (default: from config.json).")
+@click.option("--dtype", default=None, help="Plan for a cast: bf16, fp16 or fp32 (default: keep each dtype).")
+@_hub_options
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list, one object per mesh.")
+@user_errors
+def plan_command(source, devices, device_memory, plan, dtype, subfolder, revision, token, as_json):
+    """Which TP x CP meshes fit: per-rank weights, load reads and disk, from safetensors headers only.
+
+    SOURCE is a local checkpoint or a Hub repo id (headers read with ranged requests; no weights downloaded).
+    Every TP degree the plan allows up to --devices is listed, with every ring x ulysses split of the remaining
+    devices. Weights only: activations and the compiler's workspace come on top.
+    """
+    from preshard.tools.planner import plan_json, plan_meshes, plan_table
+
+    with _hub_progress(False):
+        report = plan_meshes(
+            source, devices=devices, device_memory_gib=device_memory, plan=plan, dtype=dtype, subfolder=subfolder,
+            revision=revision, token=token,
+        )  # fmt: skip
+    click.echo(json.dumps(plan_json(report), indent=1) if as_json else plan_table(report))
+
+
+@main.command(epilog=EXIT_CODES_HELP)
 @click.option("--tp", type=click.IntRange(min=1), default=2, show_default=True, help="Tensor-parallel degree.")
 @click.option("--ring", type=click.IntRange(min=1), default=1, show_default=True, help="Ring-attention degree.")
 @click.option("--ulysses", type=click.IntRange(min=1), default=2, show_default=True, help="Ulysses degree.")

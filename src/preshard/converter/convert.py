@@ -171,11 +171,17 @@ def convert_checkpoint(
     return write_conversion(job, Path(output), overwrite=overwrite, wait=wait, progress=progress)
 
 
+def space_needed(job: ConversionPlan) -> int:
+    """Bytes the output's file system must have free: the data files, config.json, 1 MiB for manifest and .metadata."""
+    return job.output_bytes + len(job.source.config_bytes() or b"") + (1 << 20)
+
+
 def write_conversion(
     job: ConversionPlan, output: Path, *, overwrite: bool = False, wait: bool = False, progress: bool | None = None
 ) -> Manifest:
     """Write a planned conversion into `output`, under the output's lock, atomically and resumably."""
     check_output(output, job.source.input_paths(), overwrite)
+    check_space(output, partial_dir(output), space_needed(job))  # before the lock file: refused before any write
     with OutputLock(output, wait=wait), deferred_signals() as stop:
         check_output(output, job.source.input_paths(), overwrite)  # again, now that we hold the lock
         return _convert_locked(job, output, stop, progress)
@@ -193,7 +199,7 @@ def _convert_locked(job: ConversionPlan, output: Path, stop: StopFlag, progress:
     src = job.source
     work = partial_dir(output)
     config_bytes = src.config_bytes()
-    check_space(output, work, job.output_bytes + len(config_bytes or b"") + (1 << 20))
+    check_space(output, work, space_needed(job))
     identity = src.identity()
     resuming = open_workdir(work, _job_key(job))
     done, writers = resume(work, job.write_order, job.files, job.mesh.tp) if resuming else ({}, {})
@@ -318,4 +324,4 @@ def _manifest(
     ).sealed()
 
 
-__all__ = ["ConversionPlan", "convert_checkpoint", "dtype_name", "plan_conversion", "resolve_mesh"]
+__all__ = ["ConversionPlan", "convert_checkpoint", "dtype_name", "plan_conversion", "resolve_mesh", "space_needed"]

@@ -225,7 +225,7 @@ def read_manifest(checkpoint: str | Path) -> Manifest:
     path = Path(checkpoint)
     if path.is_dir():
         path = path / MANIFEST_NAME
-    elif not path.exists() and not path.parent.exists():
+    elif not path.exists() and (path.name != MANIFEST_NAME or not path.parent.is_dir()):
         raise CorruptCheckpointError(
             f"checkpoint {checkpoint} does not exist; pass the folder convert-checkpoint wrote"
         )

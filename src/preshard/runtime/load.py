@@ -85,10 +85,14 @@ def _load_sharded(
     """`load_sharded`, with a switch tests use to leave buffers where the model put them."""
     start = time.perf_counter()
     cast = parse_cast(dtype, "dtype=")
-    checkpoint = _local_checkpoint(checkpoint, revision, token)
+    rank_device = init_rank_device(device)  # first: a rank of a Hub checkpoint must know its TP coordinate
+
+    def tp_rank_of(manifest: Manifest) -> int:
+        return _run_mesh(manifest, rank_device, mesh, cp, ring, ulysses, order).coords(rank_device.rank)["tp"]
+
+    checkpoint = _local_checkpoint(checkpoint, revision, token, tp_rank_of)
     manifest = read_manifest(checkpoint)
     config = read_checkpoint_config(checkpoint, manifest)
-    rank_device = init_rank_device(device)
     run_mesh = _run_mesh(manifest, rank_device, mesh, cp, ring, ulysses, order)
     groups = build_groups(run_mesh, rank_device.rank)
     collectives.check_backend_supports(
@@ -140,8 +144,10 @@ def _load_sharded(
     return net
 
 
-def _local_checkpoint(checkpoint: str | Path, revision: str | None, token: str | bool | None) -> Path:
-    """A local checkpoint folder as given, or the files this rank needs of a pre-sharded Hub repo."""
+def _local_checkpoint(
+    checkpoint: str | Path, revision: str | None, token: str | bool | None, tp_rank_of: Callable[[Manifest], int]
+) -> Path:
+    """A local checkpoint folder as given, or the files this rank reads of a pre-sharded Hub repo."""
     path = Path(checkpoint)
     if path.exists() or not isinstance(checkpoint, str):
         if revision is not None:
@@ -149,7 +155,7 @@ def _local_checkpoint(checkpoint: str | Path, revision: str | None, token: str |
         return path
     from preshard.runtime.hub import fetch_rank_files
 
-    return fetch_rank_files(checkpoint, revision=revision, token=token)
+    return fetch_rank_files(checkpoint, tp_rank=tp_rank_of, revision=revision, token=token)
 
 
 def _run_mesh(manifest: Manifest, rank_device: RankDevice, mesh, cp, ring, ulysses, order) -> MeshSpec:

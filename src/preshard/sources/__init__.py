@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -12,6 +13,7 @@ if TYPE_CHECKING:
     import torch
 
     from preshard.format.manifest import Source
+    from preshard.sources.hub import HubSnapshot
 
 
 class SourceRows(Protocol):
@@ -38,6 +40,30 @@ class ConversionSource(Protocol):
     def source_record(self, file_hashes: dict[str, str]) -> Source: ...
 
 
+def _local_path(source: str | Path, subfolder: str | None, revision: str | None) -> Path | None:
+    """The local path `source` names (joined with `subfolder`), or None when no such path exists."""
+    path = Path(source)
+    if subfolder and path.is_dir():
+        path = path / subfolder
+    if not path.exists():
+        return None
+    if revision is not None:
+        raise SourceError(f"--revision applies to Hub repos, but {source} is a local path; drop --revision")
+    return path
+
+
+def _missing(source: str | Path) -> SourceError:
+    return SourceError(
+        f"source {source} does not exist; pass a .safetensors file, a folder holding them, or a Hub repo id (org/name)"
+    )
+
+
+def _is_hub(source: str | Path) -> bool:
+    from preshard.sources import hub
+
+    return isinstance(source, str) and hub.is_repo_id(source)
+
+
 def open_source(
     source: str | Path,
     *,
@@ -48,28 +74,129 @@ def open_source(
     """A source checkpoint from a local path or, when no such path exists, a Hub repo id.
 
     A local path always wins over a repo id of the same spelling. `subfolder`, `revision` and `token` apply
-    to Hub repos only (`subfolder` also to a local folder).
+    to Hub repos only (`subfolder` also to a local folder). A Hub repo's weights are downloaded (only what the
+    conversion reads) into the HF cache, and only the files that download named are opened: the cache's
+    snapshot folder may hold other files of the same commit (an fp16 variant diffusers fetched, another index).
 
     Raises:
         SourceError: the source does not exist, cannot be downloaded, or is not a consistent checkpoint.
     """
-    path = Path(source)
-    if subfolder and path.is_dir():
-        path = path / subfolder
-    if path.exists():
-        if revision is not None:
-            raise SourceError(f"--revision applies to Hub repos, but {source} is a local path; drop --revision")
+    path = _local_path(source, subfolder, revision)
+    if path is not None:
         return open_local(path)
+    if not _is_hub(source):
+        raise _missing(source)
     from preshard.sources import hub
 
-    if isinstance(source, str) and hub.is_repo_id(source):
-        snapshot = hub.download_source(source, subfolder=subfolder, revision=revision, token=token)
-        opened = open_local(snapshot.folder)
-        opened.kind, opened.hub, opened.given = "hub", snapshot, source
-        return opened
-    raise SourceError(
-        f"source {source} does not exist; pass a .safetensors file, a folder holding them, or a Hub repo id (org/name)"
-    )
+    snapshot = hub.download_source(str(source), subfolder=subfolder, revision=revision, token=token)
+    indexes = [name for name in snapshot.files if name.endswith(hub.INDEX_SUFFIX)]
+    weights = [name for name in snapshot.files if name.endswith(".safetensors")]
+    opened = open_local(snapshot.folder / (indexes[0] if indexes else weights[0]))
+    opened.kind, opened.path, opened.hub, opened.given = "hub", snapshot.folder, snapshot, str(source)
+    return opened
 
 
-__all__ = ["CheckpointSource", "ConversionSource", "SourceRows", "open_source"]
+@dataclass
+class HeaderSource:
+    """A Hub source known from its safetensors headers alone: enough to plan a conversion, not to run one.
+
+    Why: the headers come with ranged requests (no weights downloaded), so `preshard plan` and
+    `convert-checkpoint --dry-run` size a 66 GB conversion before anything large is fetched. Tensors are in
+    the order a conversion reads them (the index's file order, then by offset), so planned file layouts are
+    the ones a real conversion writes.
+    """
+
+    given: str
+    hub: HubSnapshot
+    tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    config: dict[str, Any] | None
+    raw_config: bytes | None
+    kind: str = "hub"
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(_nbytes(shape, dtype) for shape, dtype in self.tensors.values())
+
+    def shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return dict(self.tensors)
+
+    def read_order(self) -> list[str]:
+        return list(self.tensors)
+
+    def input_paths(self) -> list[Path]:
+        return []
+
+    def config_bytes(self) -> bytes | None:
+        return self.raw_config
+
+    def _headers_only(self, *_: Any) -> Any:
+        raise SourceError(
+            f"{self.given} was opened from its safetensors headers only; open it with open_source to convert it"
+        )
+
+    identity = check_unchanged = open_reader = source_record = _headers_only
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count * dtype.itemsize
+
+
+def open_source_headers(
+    source: str | Path,
+    *,
+    subfolder: str | None = None,
+    revision: str | None = None,
+    token: str | bool | None = None,
+) -> CheckpointSource | HeaderSource:
+    """A source's tensor names, shapes, dtypes and config without reading or downloading any weight.
+
+    A local path is opened as by `open_source` (which reads headers only); a Hub repo's headers are read with
+    ranged requests (`preshard.sources.hub.source_headers`), or from the HF cache.
+
+    Raises:
+        SourceError: as `open_source`.
+    """
+    path = _local_path(source, subfolder, revision)
+    if path is not None:
+        return open_local(path)
+    if not _is_hub(source):
+        raise _missing(source)
+    from huggingface_hub import try_to_load_from_cache
+
+    from preshard.format.dtypes import SAFETENSORS_DTYPES
+    from preshard.sources import hub
+
+    headers, config, commit = hub.source_headers(str(source), subfolder=subfolder, revision=revision, token=token)
+    clean = hub._clean_subfolder(subfolder)
+    snapshot = hub.HubSnapshot(str(source), clean, revision, commit, Path(), tuple(headers))
+    tensors: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for file_name, header in headers.items():
+        entries = sorted(
+            ((name, info) for name, info in header.items() if name != "__metadata__"),
+            key=lambda item: item[1]["data_offsets"][0],
+        )
+        for name, info in entries:
+            dtype = SAFETENSORS_DTYPES.get(info["dtype"])
+            if dtype is None:
+                raise SourceError(f"{file_name}: tensor {name} has unsupported dtype {info['dtype']!r}")
+            if name in tensors:
+                raise SourceError(f"tensor {name} is stored twice in {source}; fix the repo's safetensors files")
+            tensors[name] = (tuple(info["shape"]), dtype)
+    raw_config = None
+    if config is not None:
+        cached = try_to_load_from_cache(str(source), hub._join(clean, "config.json"), revision=commit)
+        raw_config = Path(cached).read_bytes() if isinstance(cached, str) else None
+    return HeaderSource(str(source), snapshot, tensors, config, raw_config)
+
+
+__all__ = [
+    "CheckpointSource",
+    "ConversionSource",
+    "HeaderSource",
+    "SourceRows",
+    "open_source",
+    "open_source_headers",
+]

@@ -1,0 +1,222 @@
+"""The command-line conventions, one test each: --version on both entry points, --json on inspect/verify/plan,
+one progress flag spelling (on by default on a terminal, plain lines otherwise, huggingface_hub's bars following
+it), exit codes in --help and README (0 ok, 1 verify found problems, 2 usage or input error, 130/143 interrupted),
+and `inspect` naming a missing path."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from preshard import __version__
+from preshard.cli import _hub_progress, convert_checkpoint_command, main
+from preshard.progress import Progress
+
+ROOT = Path(__file__).resolve().parents[1]
+EXIT_CODES = "Exit status: 0 ok, 1 verify found problems, 2 usage or input error, 130 interrupted (SIGINT), 143"
+
+
+def _runner() -> CliRunner:
+    try:
+        return CliRunner(mix_stderr=False)
+    except TypeError:
+        return CliRunner()
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+
+
+@pytest.fixture(scope="module")
+def source(tiny_sources) -> Path:
+    return tiny_sources("mixed")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(converted) -> Path:
+    return converted("mixed", 2)
+
+
+def test_version_on_both_entry_points():
+    for command, name in ((main, "preshard"), (convert_checkpoint_command, "convert-checkpoint")):
+        run = _runner().invoke(command, ["--version"])
+        assert run.exit_code == 0 and run.stdout.strip() == f"{name}, version {__version__}", run.stdout
+    proc = subprocess.run(
+        [sys.executable, "-m", "preshard.cli", "--version"], capture_output=True, text=True, timeout=60, env=_env()
+    )  # fmt: skip
+    assert proc.returncode == 0 and __version__ in proc.stdout
+
+
+def test_exit_codes_are_in_every_help_and_in_the_readme():
+    for args in ([], ["convert"], ["inspect"], ["verify"], ["plan"], ["demo"]):
+        run = _runner().invoke(main, [*args, "--help"])
+        assert run.exit_code == 0 and EXIT_CODES in " ".join(run.stdout.split()), (args, run.stdout)
+    run = _runner().invoke(convert_checkpoint_command, ["-h"])
+    assert EXIT_CODES in " ".join(run.stdout.split())
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("### Exit status") :]
+    for code in ("0", "1", "2", "130", "143"):
+        assert re.search(rf"\|\s*`?{code}`?\s*\|", section), code
+
+
+def test_inspect_json(checkpoint):
+    run = _runner().invoke(main, ["inspect", str(checkpoint), "--json"])
+    assert run.exit_code == 0, run.stderr
+    data = json.loads(run.stdout)
+    assert data["mesh"]["tp"] == 2 and len(data["files"]) == 2 and len(data["tp_ranks"]) == 2
+    assert (
+        data["tp_ranks"][0]["read_bytes"] == data["tp_ranks"][0]["own_bytes"] + data["tp_ranks"][0]["replicated_bytes"]
+    )
+
+
+def test_verify_json_exit_0_and_1(checkpoint, private_copy):
+    good = _runner().invoke(main, ["verify", str(checkpoint), "--json"])
+    assert good.exit_code == 0, good.stdout + good.stderr
+    assert json.loads(good.stdout)["ok"] is True and json.loads(good.stdout)["problems"] == []
+
+    damaged = private_copy(checkpoint)
+    data = bytearray((damaged / "__1_0.distcp").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (damaged / "__1_0.distcp").write_bytes(bytes(data))
+    bad = _runner().invoke(main, ["verify", str(damaged), "--json"])
+    assert bad.exit_code == 1
+    report = json.loads(bad.stdout)  # still one JSON document on stdout
+    assert report["ok"] is False and any("__1_0.distcp" in p for p in report["problems"])
+
+
+def test_plan_json(source):
+    run = _runner().invoke(main, ["plan", str(source), "--devices", "2", "--device-memory", "1", "--json"])
+    assert run.exit_code == 0, run.stderr
+    meshes = json.loads(run.stdout)
+    assert {(m["tp"], m["ring"], m["ulysses"]) for m in meshes} == {(1, 1, 2), (1, 2, 1), (2, 1, 1)}
+    assert sum(m["recommended"] for m in meshes) == 1 and all(m["fits"] for m in meshes)
+
+
+@pytest.mark.parametrize("command", ["convert", "verify"])
+def test_progress_flag_spelling_and_defaults(command, source, checkpoint, tmp_path):
+    """CliRunner's stderr is no terminal: plain lines with --progress, nothing with --no-progress or by default."""
+    if command == "convert":
+        base = [str(source), str(tmp_path / "out"), "--tp", "2", "--overwrite"]
+        word, cli = "converting", convert_checkpoint_command
+    else:
+        base, word, cli = ["verify", str(checkpoint)], "verifying", main
+    shown = _runner().invoke(cli, [*base, "--progress"])
+    assert shown.exit_code == 0, shown.stderr
+    assert re.search(rf"^{word}: 100% \(.+ of .+\)$", shown.stderr, re.M), shown.stderr
+    for flags in (["--no-progress"], []):
+        quiet = _runner().invoke(cli, [*base, *flags])
+        assert quiet.exit_code == 0 and word not in quiet.stderr, (flags, quiet.stderr)
+
+
+def test_progress_is_a_bar_on_a_terminal_and_lines_elsewhere(monkeypatch, capsys):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    bar = Progress(100, "x")
+    assert bar.enabled and bar._bar is not None  # tqdm
+    bar.close()
+    assert Progress(100, "x", enabled=False)._bar is None
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    lines = Progress(100, "x", enabled=True)
+    assert lines.enabled and lines._bar is None
+    lines.update(100)
+    lines.close()
+    assert capsys.readouterr().err.strip().endswith("x: 100% (100 B of 100 B)")
+
+
+def test_hub_download_bars_follow_the_progress_flag(monkeypatch):
+    from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
+
+    enable_progress_bars()
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    for flag, disabled in ((False, True), (True, False), (None, False)):
+        with _hub_progress(flag):
+            assert are_progress_bars_disabled() is disabled, flag
+        assert not are_progress_bars_disabled()  # restored
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    with _hub_progress(None):
+        assert are_progress_bars_disabled()
+
+
+def test_inspect_names_a_missing_path(tmp_path):
+    missing = tmp_path / "no-such-checkpoint"
+    run = _runner().invoke(main, ["inspect", str(missing)])
+    assert run.exit_code == 2
+    assert run.stderr.splitlines() == [
+        f"error: checkpoint {missing} does not exist; pass the folder convert-checkpoint wrote"
+    ]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    run = _runner().invoke(main, ["inspect", str(empty)])
+    assert run.exit_code == 2 and f"{empty} is not a complete preshard checkpoint" in run.stderr
+
+
+def test_usage_errors_are_one_line_exit_2(source):
+    for args in (["plan"], ["convert", str(source)], ["plan", str(source), "--devices", "x"], ["nope"]):
+        run = _runner().invoke(main, args)
+        lines = run.stderr.splitlines()
+        assert run.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (args, run.stderr)
+        assert "Traceback" not in run.stdout + run.stderr
+
+
+def test_keyboard_interrupt_outside_a_conversion_exits_130(source, monkeypatch):
+    import preshard.tools.planner as planner
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(planner, "plan_meshes", interrupted)
+    run = _runner().invoke(main, ["plan", str(source)])
+    assert run.exit_code == 130 and run.stderr.strip() == "error: interrupted"
+
+
+INTERRUPT = """
+import os, signal, sys
+from preshard.converter import convert
+from preshard.cli import convert_checkpoint_command
+
+def convert_and_signal(signum, args):
+    sent = []
+
+    def hook(name):
+        if not sent:  # once: a second signal of the same kind would stop the process at once
+            sent.append(name)
+            os.kill(os.getpid(), signum)
+
+    convert._after_tensor_hook = hook
+    convert_checkpoint_command(args)
+
+source, root, plan = sys.argv[1:4]
+common = ["--tp", "2", "--plan", plan, "--no-progress"]
+try:  # SIGINT: caught here, so that the same process (imports paid once) goes on to SIGTERM
+    convert_and_signal(signal.SIGINT, [source, root + "/int", *common])
+except SystemExit as exc:
+    print("SIGINT exit", exc.code, flush=True)
+convert_and_signal(signal.SIGTERM, [source, root + "/term", *common])  # the process exits
+"""
+
+
+def test_a_signal_during_a_conversion_exits_128_plus_its_number(source, tmp_path):
+    from preshard.plans.registry import load_plan
+
+    plan = load_plan("minimax-h3").to_dict() | {"attention": []}  # no head checks: the child skips diffusers
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(json.dumps(plan))
+    proc = subprocess.run(
+        [sys.executable, "-c", INTERRUPT, str(source), str(tmp_path), str(plan_file)],
+        capture_output=True, text=True, timeout=120, env=_env(),
+    )  # fmt: skip
+    assert proc.stdout.strip() == f"SIGINT exit {128 + signal.SIGINT}" == "SIGINT exit 130", proc.stdout + proc.stderr
+    assert proc.returncode == 128 + signal.SIGTERM == 143, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 2 and all(line.startswith("error: ") for line in lines), proc.stderr
+    assert "interrupted (SIGINT)" in lines[0] and "terminated (SIGTERM)" in lines[1]
+    assert all("re-run the same command to resume" in line for line in lines)
+    for name in ("int", "term"):  # nothing committed; the finished part kept for a resume
+        assert not (tmp_path / name).exists() and (tmp_path / f".{name}.partial").is_dir()

@@ -1,0 +1,293 @@
+"""`preshard plan` and `convert-checkpoint --dry-run`: figures from safetensors headers alone.
+
+- On MiniMax-H3's full-size shapes (real headers, data as holes: no disk, no weights), `preshard plan` prints the
+  per-rank figures of tp 1/2/4/7/8 in under 10 s without reading tensor data (the process's read count, with a
+  negative control showing that reading the holes would count);
+- its weights per rank equal a hand count from the plan's rules; with AdaLN replicated nothing fits 24 GiB (the
+  seed's trn2 finding); on the tiny checkpoint its disk and load-read figures equal a real conversion's;
+- a dry run writes nothing and predicts the real output's size exactly; an output file system without space is
+  refused before any write, with and without --dry-run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from fnmatch import fnmatchcase
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from preshard.cli import convert_checkpoint_command, main
+from preshard.format.manifest import read_manifest
+from preshard.plans.registry import load_plan
+from preshard.tools.planner import plan_meshes
+
+pytest.importorskip("diffusers")
+
+GIB = 1 << 30
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def _runner() -> CliRunner:
+    try:
+        return CliRunner(mix_stderr=False)
+    except TypeError:
+        return CliRunner()
+
+
+@pytest.fixture(scope="module")
+def h3_full(tmp_path_factory) -> tuple[Path, dict, dict]:
+    """MiniMax-H3 at full size (638 tensors, 61.7 GiB) as safetensors headers over holes: (folder, specs, config)."""
+    from preshard.examples.synthetic import minimax_h3_tensors, write_safetensors_checkpoint
+
+    tensors, config = minimax_h3_tensors()
+    folder = tmp_path_factory.mktemp("h3-full") / "transformer"
+    write_safetensors_checkpoint(folder, tensors, config, data="hole", max_shard_bytes=10 * GIB)
+    return folder, tensors, config
+
+
+MEASURE = """
+import json, sys, time
+import preshard.cli, preshard.tools.planner, preshard.converter.convert  # imports outside the measurement
+
+def io():
+    with open("/proc/self/io") as f:
+        return dict((k, int(v)) for k, v in (line.split(": ") for line in f.read().splitlines()))
+
+def measure(body):
+    before, start = io(), time.perf_counter()
+    try:
+        body()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    seconds, after = time.perf_counter() - start, io()
+    return {"code": code, "seconds": seconds, "rchar": after["rchar"] - before["rchar"]}
+
+def plan():
+    preshard.cli.main(sys.argv[2:])
+
+def control():  # a read of 32 MiB of the holes: zeros, but read all the same
+    with open(sys.argv[1], "rb") as f:
+        f.seek(1 << 30)
+        f.read(32 << 20)
+
+print(json.dumps([measure(plan), measure(control)]), file=sys.stderr)
+"""
+
+
+def run_measured(hole_file: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict, dict]:
+    """`preshard ARGS` in a fresh interpreter: its exit code, wall time and bytes read (rchar), then the same
+    measurement of a 32 MiB read of `hole_file` (the negative control)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, "-c", MEASURE, str(hole_file), *args], capture_output=True, text=True, timeout=120, env=env
+    )  # fmt: skip
+    measured, control = json.loads(proc.stderr.strip().splitlines()[-1])
+    return proc, measured, control
+
+
+@pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="needs Linux /proc/self/io")
+def test_plan_on_full_size_h3_reads_headers_only_and_is_fast(h3_full):
+    folder, _, _ = h3_full
+    weights = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    assert weights > 60 * GIB
+
+    big = max(folder.glob("*.safetensors"), key=lambda p: p.stat().st_size)
+    proc, measured, control = run_measured(big, "plan", str(folder), "--devices", "8", "--device-memory", "24")
+
+    assert measured["code"] in (0, None), proc.stdout + proc.stderr
+    assert measured["seconds"] < 10, measured
+    assert measured["rchar"] < 16 << 20, measured  # headers (~100 kB) and small files; the data is 61.7 GiB
+    rows = {m[2]: m[0] for m in re.finditer(r"^(\*?)\s+(\d+)\s.*$", proc.stdout, re.M)}
+    assert sorted(rows, key=int) == ["1", "2", "4", "7", "8"]
+    assert "30.95 GiB" in rows["2"] and "no, 6.95 GiB over" in rows["2"]  # the seed's ~31 GiB at TP=2
+    assert rows["4"].startswith("*") and "yes" in rows["4"]
+    assert "(7 of 8 devices)" in rows["7"]
+    assert "* recommended: tp=4 x ring=1 x ulysses=2" in proc.stdout
+    assert "activations" in proc.stdout.lower() and "come on top" in proc.stdout
+
+    assert control["rchar"] >= 32 << 20, control  # the negative control: reading the holes would count
+
+
+def _hand_weights(tensors: dict, plan_name: str, tp: int, drop: tuple[str, ...] = ()) -> int:
+    """Bytes per rank counted from the plan's rules by hand: a Linear weight (or colwise bias) named by a rule
+    is split tp ways, a rowwise bias and everything else is held whole."""
+    rules = [r for r in load_plan(plan_name).to_dict()["linear"] if r["match"] not in drop]
+    itemsize = {"BF16": 2, "F32": 4}
+    total = 0
+    for name, (code, shape) in tensors.items():
+        module, _, param = name.rpartition(".")
+        nbytes = itemsize[code]
+        for size in shape:
+            nbytes *= size
+        style = next((r["style"] for r in rules if _matches(r["match"], module)), None)
+        split = style is not None and (param == "weight" or style in ("colwise", "packed_colwise"))
+        total += nbytes // tp if split else nbytes
+    return total
+
+
+def _matches(pattern: str, module: str) -> bool:
+    want, have = pattern.split("."), module.split(".")
+    return len(want) == len(have) and all(fnmatchcase(h, w) for w, h in zip(want, have))
+
+
+def test_weights_per_rank_match_a_hand_count_and_adaln_replicated_never_fits(h3_full, tmp_path: Path):
+    folder, tensors, _ = h3_full
+    report = plan_meshes(folder, device_memory_gib=24)
+    by_tp = {m.tp: m for m in report.meshes}
+    assert report.tp_degrees == [1, 2, 4, 7, 8, 14, 28, 56]
+    for tp, mesh in by_tp.items():
+        assert mesh.weight_bytes_per_rank == _hand_weights(tensors, "minimax-h3", tp), tp
+        assert (mesh.ring, mesh.ulysses, mesh.world_size) == (1, 1, tp)
+    assert [tp for tp, m in by_tp.items() if m.fits] == [4, 7, 8, 14, 28, 56]
+
+    # The seed's trn2 plan kept adaln_proj replicated: about 40 % of the weights on every rank.
+    plan = load_plan("minimax-h3").to_dict()
+    adaln = "transformer_blocks.*.adaln_proj.linear"
+    plan["linear"] = [r for r in plan["linear"] if r["match"] != adaln]
+    plan_file = tmp_path / "adaln-replicated.json"
+    plan_file.write_text(json.dumps(plan))
+    replicated = plan_meshes(folder, device_memory_gib=24, plan=str(plan_file))
+    for mesh in replicated.meshes:
+        assert mesh.weight_bytes_per_rank == _hand_weights(tensors, "minimax-h3", mesh.tp, drop=(adaln,))
+        assert mesh.replicated_bytes_per_rank > 24 * GIB and not mesh.fits
+    assert replicated.recommended is None and "no mesh fits" in replicated.reason
+
+
+def test_plan_figures_equal_a_real_conversion(tiny_sources, converted):
+    source = tiny_sources("mixed")
+    for tp in (1, 2, 4):
+        manifest = read_manifest(converted("mixed", tp))
+        mesh = next(m for m in plan_meshes(source).meshes if m.tp == tp)
+        assert mesh.disk_bytes == sum(f.size for f in manifest.files)
+        assert mesh.largest_file_bytes == max(f.size for f in manifest.files)
+        reads = [
+            sum(c.framing.length for chunks in manifest.chunks_for_tp_rank(r).values() for c in chunks)
+            for r in range(tp)
+        ]
+        assert mesh.read_bytes_per_rank == max(reads)
+        held = [sum(c.data_length for cs in manifest.chunks_for_tp_rank(r).values() for c in cs) for r in range(tp)]
+        assert mesh.weight_bytes_per_rank == max(held)
+
+
+def test_plan_json_meshes_fill_the_devices_and_the_cast_is_counted(h3_full):
+    folder, tensors, _ = h3_full
+    run = _runner().invoke(main, ["plan", str(folder), "--devices", "8", "--json"])
+    assert run.exit_code == 0, run.stderr
+    meshes = json.loads(run.stdout)
+    required = {"tp", "ring", "ulysses", "weight_bytes_per_rank", "fits"}
+    assert all(required <= set(m) for m in meshes)
+    splits = {(m["tp"], m["ring"], m["ulysses"]) for m in meshes}
+    assert {(1, r, 8 // r) for r in (1, 2, 4, 8)} | {(2, r, 4 // r) for r in (1, 2, 4)} <= splits
+    assert {(4, 1, 2), (4, 2, 1), (7, 1, 1), (8, 1, 1)} <= splits and len(splits) == 11
+    assert all(m["fits"] is None and not m["recommended"] for m in meshes)
+    assert [m["fills_devices"] for m in meshes if m["tp"] == 7] == [False]
+
+    cast = plan_meshes(folder, dtype="bf16")
+    numel = sum(_numel(shape) for _, shape in tensors.values())
+    assert cast.stored_bytes == 2 * numel < plan_meshes(folder).stored_bytes
+
+
+def _numel(shape) -> int:
+    n = 1
+    for size in shape:
+        n *= size
+    return n
+
+
+# convert-checkpoint --dry-run
+
+
+def _listing(folder: Path) -> dict[str, tuple[int, int]]:
+    return {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.iterdir()}
+
+
+def test_dry_run_writes_nothing_and_predicts_the_output(tiny_sources, tmp_path: Path):
+    source = tiny_sources("mixed")
+    parent = tmp_path / "outputs"
+    parent.mkdir()
+    (parent / "neighbour.txt").write_text("untouched\n")
+    before = _listing(parent)
+
+    dry = _runner().invoke(convert_checkpoint_command, [str(source), str(parent / "out"), "--tp", "2", "--dry-run"])
+
+    assert dry.exit_code == 0, dry.stderr
+    assert _listing(parent) == before  # not even the probe's temporary file is left
+    text = dry.stdout
+    assert text.startswith("dry run: nothing was written")
+    assert "tp=2 x ring=1 x ulysses=1" in text and "-> ok" in text and "time:      at least" in text
+
+    real = _runner().invoke(
+        convert_checkpoint_command, [str(source), str(parent / "out"), "--tp", "2", "--no-progress"]
+    )
+    assert real.exit_code == 0, real.stderr
+    from preshard.units import human_bytes
+
+    manifest = read_manifest(parent / "out")
+    assert f"2 data files, {human_bytes(sum(f.size for f in manifest.files))}" in text
+
+
+def _no_space(monkeypatch: pytest.MonkeyPatch, free_bytes: int) -> None:
+    real = os.statvfs
+
+    def statvfs(path):
+        st = real(path)
+        fields = list(st)
+        fields[4] = fields[3] = free_bytes // st.f_frsize  # f_bfree, f_bavail
+        return os.statvfs_result(fields)
+
+    monkeypatch.setattr(os, "statvfs", statvfs)
+
+
+@pytest.mark.parametrize("dry", [True, False], ids=["dry-run", "convert"])
+def test_an_output_file_system_without_space_is_refused_before_any_write(
+    tiny_sources, tmp_path: Path, monkeypatch, dry: bool
+):
+    source = tiny_sources("mixed")
+    parent = tmp_path / "outputs"
+    parent.mkdir()
+    _no_space(monkeypatch, 64 << 10)
+    writes: list[str] = []
+    real_open = os.open
+
+    def watch_open(path, flags, *args, **kwargs):  # every file the command creates or writes under `parent`
+        if str(path).startswith(str(parent)) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            writes.append(str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", watch_open)
+    args = [str(source), str(parent / "out"), "--tp", "2", "--no-progress"] + (["--dry-run"] if dry else [])
+
+    run = _runner().invoke(convert_checkpoint_command, args)
+
+    assert run.exit_code == 2, (run.stdout, run.stderr)
+    lines = run.stderr.splitlines()
+    assert len(lines) == 1 and "needs" in lines[0] and "64.00 KiB free" in lines[0], run.stderr
+    assert list(parent.iterdir()) == []
+    if dry:
+        assert "NOT ENOUGH" in run.stdout and writes == []  # the write probe is skipped, nothing is created
+    else:
+        assert writes == [], writes  # not even the lock file
+
+
+def test_plan_errors_are_one_line(tmp_path: Path, h3_full):
+    folder, _, _ = h3_full
+    cases: dict[str, tuple[list[str], Callable[[str], bool]]] = {
+        "missing": (["plan", str(tmp_path / "nope")], lambda m: "does not exist" in m),
+        "devices 0": (["plan", str(folder), "--devices", "0"], lambda m: "--devices" in m),
+        "memory -1": (["plan", str(folder), "--device-memory", "-1"], lambda m: "--device-memory" in m),
+        "bad dtype": (["plan", str(folder), "--dtype", "int8"], lambda m: "--dtype" in m),
+        "bad plan": (["plan", str(folder), "--plan", "nope"], lambda m: "unknown plan" in m),
+    }
+    for name, (args, check) in cases.items():
+        run = _runner().invoke(main, args)
+        lines = run.stderr.splitlines()
+        assert run.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (name, run.stderr)
+        assert check(lines[0]), (name, lines[0])
