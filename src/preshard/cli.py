@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import gc
 import json
 import signal
 import sys
@@ -25,6 +26,7 @@ from contextlib import contextmanager
 import click
 
 from preshard import __version__
+from preshard.converter.signals import raising_signals
 from preshard.errors import Interrupted, PreshardError
 
 EXIT_PROBLEMS, EXIT_USAGE = 1, 2
@@ -61,11 +63,28 @@ def user_errors(fn):
 
 
 class _OneLineErrors:
-    """click's own usage errors (`--tp abc`, a missing argument) as one line and exit status 2."""
+    """click's own usage errors (`--tp abc`, a missing argument) as one line and exit status 2.
 
-    def main(self, *args, **kwargs):
+    SIGINT and SIGTERM raise `Interrupted` for the whole command (the converter defers both while it writes),
+    so either ends with one line and 130/143 rather than a traceback or a silent death. Run as a program
+    (`args` not given), the command then ignores both for the last moments of the process: its outcome is
+    decided and printed, and a signal during the interpreter's shutdown would only garble it.
+    """
+
+    def main(self, args=None, *rest, **kwargs):
+        program = args is None
+        try:
+            with raising_signals(ignore_after=program):
+                return self._main_one_line(args, *rest, **kwargs)
+        finally:
+            if program:  # the process ends now: its last collections need not walk torch's objects (~1 s of exit)
+                gc.freeze()
+
+    def _main_one_line(self, *args, **kwargs):
         try:
             return super().main(*args, standalone_mode=False, **kwargs)
+        except Interrupted as exc:
+            _fail(str(exc), 128 + exc.signal_number)
         except click.exceptions.Exit as exc:
             sys.exit(exc.exit_code)
         except click.exceptions.Abort:

@@ -43,12 +43,17 @@ def check_output(output: Path, source_paths: list[Path], overwrite: bool) -> Pat
     """The output folder to write, resolved; refuse what cannot work before anything is written.
 
     Raises:
-        OutputError: the output is a file, overlaps the source, exists without `overwrite`, is the current
-            directory or a symlink, or its parent folder is missing.
+        OutputError: the output is a file, overlaps the source, exists without `overwrite`, is or holds the
+            current directory, is a symlink, or its parent folder is missing.
     """
     given = output
-    if str(given) in ("", ".", "..") or Path(given).resolve() == Path.cwd().resolve():
+    cwd = Path.cwd().resolve()
+    if str(given) in ("", ".", "..") or Path(given).resolve() == cwd:
         raise OutputError(f"output {given} is the current folder; name a new folder for the converted checkpoint")
+    if Path(given).resolve() in cwd.parents:
+        raise OutputError(
+            f"output {given} holds the current folder, which replacing it would delete; name a new folder"
+        )
     if output.is_symlink():
         raise OutputError(f"output {given} is a symbolic link; pass the real folder it points to, or a new path")
     if output.exists() and not output.is_dir():
@@ -82,8 +87,43 @@ def check_space(output: Path, work: Path, needed: int) -> None:
         )
 
 
+# When the lock is taken but its holder's pid cannot be read yet (it has locked but not yet written it, or the
+# file still names a process that died), look again for up to this long before naming no one.
+HOLDER_READ_S = 1.0
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def _read_holder(fd: int) -> str:
+    """The pid the lock's holder wrote into the lock file, once it names a live process ("unknown" if never)."""
+    deadline = time.monotonic() + HOLDER_READ_S
+    while True:
+        text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        if text.isdigit() and _pid_alive(int(text)):
+            return text
+        if time.monotonic() >= deadline:
+            return "unknown"
+        time.sleep(0.01)
+
+
 class OutputLock:
-    """An exclusive lock on one output path for the duration of a conversion."""
+    """An exclusive `flock` on `.<out>.lock` beside the output, held for the whole conversion.
+
+    The kernel drops the lock when its holder exits or dies, so a lock left by a killed conversion is simply
+    taken over. The holder writes its pid into the file, so a second conversion can name it; on release the
+    holder unlinks the file while still holding it, and a waiter that then wins the unlinked file sees the
+    inode change and locks the file that now stands at the path instead. That re-check makes unlinking a lock
+    file nobody holds safe too, which is how a conversion stopped by a signal halfway into taking the lock
+    cleans up after itself.
+    """
 
     def __init__(self, output: Path, wait: bool = False) -> None:
         self.path = lock_path(output)
@@ -91,37 +131,80 @@ class OutputLock:
         self.wait = wait
         self.fd = -1
 
-    def __enter__(self) -> OutputLock:
-        while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | (0 if self.wait else fcntl.LOCK_NB))
-            except BlockingIOError:
-                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-                os.close(fd)
+    def _open(self) -> int:
+        try:
+            return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
                 raise OutputError(
-                    f"another conversion (pid {holder}) is writing {self.output}; wait for it to finish, or pass --wait"
+                    f"the lock file {self.path} is a symbolic link; remove it (preshard creates it itself)"
                 ) from None
-            try:
-                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:  # else the holder removed the file as we waited on it: lock the new one
-                break
+            raise
+
+    def __enter__(self) -> OutputLock:
+        """Take the lock (waiting for it when `wait`).
+
+        Raises:
+            OutputError: another process holds it (naming its pid), or the lock file is a symbolic link.
+        """
+        try:
+            while True:
+                fd = self._open()
+                try:
+                    if self._lock(fd):
+                        self.fd = fd
+                except BaseException:  # refused, or a signal while waiting
+                    self._drop(fd)
+                    raise
+                if self.fd >= 0:
+                    os.ftruncate(fd, 0)
+                    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                    return self
+                os.close(fd)  # the holder removed the file as we waited on it: lock the one at the path now
+        except BaseException:  # a signal can land anywhere here: leave no lock file that nobody holds
+            if self.fd >= 0:
+                self._drop(self.fd)
+            else:
+                self._remove_unheld()
+            raise
+
+    def _remove_unheld(self) -> None:
+        """Unlink the lock file if nobody holds it (one we created just before a signal stopped us)."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return
+        self._drop(fd)
+
+    def _lock(self, fd: int) -> bool:
+        """Lock `fd`; False when the file was unlinked meanwhile (by a holder releasing it)."""
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if self.wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            raise OutputError(
+                f"another conversion (pid {_read_holder(fd)}) is writing {self.output}; wait for it to finish, "
+                "or pass --wait"
+            ) from None
+        try:
+            return os.fstat(fd).st_ino == os.stat(self.path, follow_symlinks=False).st_ino
+        except FileNotFoundError:
+            return False
+
+    def _drop(self, fd: int) -> None:
+        """Close `fd`, first unlinking the lock file if this process holds (or can take) its lock."""
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # succeeds if we hold it or nobody does
+            if os.fstat(fd).st_ino == os.stat(self.path, follow_symlinks=False).st_ino:
+                os.unlink(self.path)
+        except OSError:
+            pass
+        finally:
             os.close(fd)
-        self.fd = fd
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        return self
+            self.fd = -1
 
     def __exit__(self, *exc: object) -> None:
-        if self.fd >= 0:
-            try:  # unlinked while still held, so a waiter notices (see __enter__) and no lock file is left behind
-                os.unlink(self.path)
-            except OSError:
-                pass
-            os.close(self.fd)
-            self.fd = -1
+        if self.fd >= 0:  # unlinked while still held, so a waiter notices (see __enter__); no lock file is left
+            self._drop(self.fd)
 
 
 def open_workdir(work: Path, job: str) -> bool:
@@ -215,11 +298,19 @@ def commit(work: Path, output: Path) -> None:
     fsync_dir(output.parent)
 
 
+class DamagedRecord(CorruptCheckpointError):
+    """A record kept from an earlier run is damaged; `tensor` names it (a resume redoes it and what follows)."""
+
+    def __init__(self, message: str, tensor: str) -> None:
+        super().__init__(message)
+        self.tensor = tensor
+
+
 def open_writers(work: Path, tp: int, done: dict[str, list[ChunkRecord]]) -> dict[int, RecordFileWriter]:
     """One writer per rank file, each adopting (and re-checking, framing and data) the records of `done`.
 
     Raises:
-        CorruptCheckpointError: a kept record does not match what the journal says was written.
+        DamagedRecord: a kept record does not match what the journal says was written.
     """
     writers = {r: RecordFileWriter(work / data_file_name(r)) for r in range(tp)}
     kept: dict[str, list[ChunkRecord]] = {data_file_name(r): [] for r in range(tp)}
@@ -228,7 +319,12 @@ def open_writers(work: Path, tp: int, done: dict[str, list[ChunkRecord]]) -> dic
             kept[c.file].append(c)
     try:
         for r, writer in writers.items():
-            writer.keep(sorted(kept[data_file_name(r)], key=lambda c: c.offset))
+            records = sorted(kept[data_file_name(r)], key=lambda c: c.offset)
+            try:
+                writer.keep(records)
+            except CorruptCheckpointError as exc:  # the writer stands at the end of the last intact record
+                bad = next(c for c in records if c.offset == writer.position)
+                raise DamagedRecord(str(exc), bad.tensor) from None
     except BaseException:
         for writer in writers.values():
             writer.abandon()
@@ -255,8 +351,6 @@ def resume(
     while True:
         try:
             return done, open_writers(work, tp, done)
-        except CorruptCheckpointError as exc:
+        except DamagedRecord as exc:
             names = list(done)
-            damaged = next((n for n in names if f" {n} " in f" {exc} "), None)
-            cut = names.index(damaged) if damaged is not None else max(0, len(names) - 1)
-            done = {n: done[n] for n in names[:cut]}
+            done = {n: done[n] for n in names[: names.index(exc.tensor)]}

@@ -26,7 +26,7 @@ class RecordFileWriter:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         self.digest = file_digest()
         self.position = 0
         self._chunk: ChunkRecord | None = None

@@ -41,7 +41,7 @@ def read_json(path: Path, where: str, error: type[PreshardError], fix: str, expe
         raise error(f"{where} cannot be read ({exc.strerror or exc}); {fix}") from None
     data = parse_json_text(raw, where, error, fix)
     if expect is not None and not isinstance(data, expect):
-        kind = {dict: "an object", list: "a list"}.get(expect, expect.__name__)
+        kind = {dict: "object", list: "list"}.get(expect, expect.__name__)
         raise error(f"{where} must hold a JSON {kind}, not {type(data).__name__}; {fix}")
     return data
 
