@@ -103,12 +103,20 @@ def _positive(name: str):
 @click.option("--token", default=None, help="Hub token (default: HF_TOKEN or the saved login).")
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists.")
 @click.option("--wait", is_flag=True, help="Wait for another conversion into OUTPUT to finish instead of failing.")
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Local processes converting in parallel (at most --tp; several hosts: python -m preshard.converter.parallel).",
+)
 @_progress_option
 @click.version_option(__version__, "--version", prog_name="convert-checkpoint")
 @user_errors
 def convert_checkpoint_command(
-    source, output, tp, cp, ring, ulysses, order, plan, dtype, subfolder, revision, token, overwrite, wait, progress
-):
+    source, output, tp, cp, ring, ulysses, order, plan, dtype, subfolder, revision, token, overwrite, wait, workers,
+    progress,
+):  # fmt: skip
     """Slice SOURCE (.safetensors file, diffusers weights folder or Hub repo id) into per-rank shards in OUTPUT."""
     from preshard.converter.convert import convert_checkpoint
     from preshard.tools.inspect import summary_line
@@ -116,6 +124,7 @@ def convert_checkpoint_command(
     manifest = convert_checkpoint(
         source, output, tp=tp, cp=cp, ring=ring, ulysses=ulysses, order=order, plan=plan, dtype=dtype,
         subfolder=subfolder, revision=revision, token=token, overwrite=overwrite, wait=wait, progress=progress,
+        workers=workers,
     )  # fmt: skip
     click.echo(summary_line(manifest, output))
 
