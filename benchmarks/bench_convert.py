@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
 
         files = " ".join(shlex.quote(str(src / f)) for f in sorted(os.listdir(src)))
         q = shlex.quote
-        conv = shlex.join(convert) + f" {q(str(src))} {q(str(out))} --tp {args.tp} --cp {args.cp} --quiet"
+        conv = shlex.join(convert) + f" {q(str(src))} {q(str(out))} --tp {args.tp} --cp {args.cp} --no-progress"
         steps = {CP: f"cp -r {q(str(src))} {q(str(dst))} && sync", "read": f"cat {files} > /dev/null"}
         steps[f"convert tp{args.tp} cp{args.cp}"] = f"{conv} && sync"
         for p in workers:

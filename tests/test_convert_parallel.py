@@ -182,16 +182,21 @@ def test_worker_count_is_checked(source, tmp_path):
         _convert(source, tmp_path / "out", workers=0)
 
 
-def _interrupt_worker_after(count: int, rank: int):
-    """A hook that, in worker `rank`, sends SIGINT to the launcher (this process) after `count` tensors."""
+def _interrupt_after(count: int, rank: int | None, out: Path):
+    """A hook that, in worker `rank` (None: the one process), sends SIGINT to the process that started the
+    conversion (this one) after `count` tensors, once the journal holds two tensors."""
     seen = []
 
     def hook(name: str) -> None:
         if parallel.WORKER_RANK == rank:
             seen.append(name)
             if len(seen) == count:
-                os.kill(os.getppid(), signal.SIGINT)
-                time.sleep(0.5)  # let the launcher relay the stop before this worker goes on
+                journal, deadline = partial_dir(out) / JOURNAL_NAME, time.monotonic() + 20
+                while time.monotonic() < deadline and journal.read_text().count("\n") < 2:
+                    time.sleep(0.01)
+                os.kill(os.getpid() if rank is None else os.getppid(), signal.SIGINT)
+                if rank is not None:
+                    time.sleep(0.5)  # let the launcher relay the stop before this worker goes on
 
     return hook
 
@@ -202,22 +207,14 @@ def test_interrupted_conversion_resumes_with_any_number_of_workers(
 ):
     out = tmp_path / "out"
     monkeypatch.setattr(convert_module, "SYNC_MIN_BYTES", 1)  # journal after every tensor
-    if first == 1:
-
-        def hook(name: str) -> None:
-            hook.calls = getattr(hook, "calls", 0) + 1
-            if hook.calls == 6:
-                os.kill(os.getpid(), signal.SIGINT)
-
-        monkeypatch.setattr(convert_module, "_after_tensor_hook", hook)
-    else:
-        monkeypatch.setattr(convert_module, "_after_tensor_hook", _interrupt_worker_after(4, first - 1))
+    hook = _interrupt_after(6, None, out) if first == 1 else _interrupt_after(4, first - 1, out)
+    monkeypatch.setattr(convert_module, "_after_tensor_hook", hook)
     with pytest.raises(Interrupted) as caught:
         _convert(source, out, workers=first)
     assert caught.value.signal_number == signal.SIGINT
     assert not out.exists()
     journaled = (partial_dir(out) / JOURNAL_NAME).read_text().count("\n")
-    assert 0 < journaled < BLOCKS * TENSORS_PER_BLOCK
+    assert 2 <= journaled < BLOCKS * TENSORS_PER_BLOCK
 
     written: list[str] = []
     monkeypatch.setattr(convert_module, "_after_tensor_hook", written.append)

@@ -405,7 +405,7 @@ class _Conversion:
         error = payload = None
         try:
             pipeline = WritePipeline(
-                read_rows=self.reader.read_rows,
+                read_band=self.reader.read_band,
                 writers=self.writers,
                 work=_tasks(job, self.reader, done, self.mine, hashed),
                 points=points,

@@ -33,6 +33,7 @@ import torch
 from preshard.converter.writer import RecordFileWriter
 from preshard.format.layout import ChunkRecord, TensorLayout
 from preshard.format.slicing import Band, BufferPool, cast_band, cut_band, source_row_bytes
+from preshard.sources.reader import band_buffer_bytes
 
 BANDS_IN_FLIGHT = 4
 POLL_S = 0.1  # how often a waiting thread looks at the stop flag
@@ -113,7 +114,8 @@ class WritePipeline:
     """Runs one process's share of a conversion; see the module docstring.
 
     Args:
-        read_rows: `read_rows(tensor, start, count, out)` fills the flat uint8 `out` with source rows.
+        read_band: `read_band(tensor, start, count, buffer)` reads source rows into the flat uint8 `buffer` (of
+            `band_buffer_bytes` of their size) and returns the view holding them (`SourceReader.read_band`).
         writers: this process's data files, by file name.
         work: the tensors to read, in write order.
         points: sync points (write-order positions, ascending; the last is the job's last tensor to write).
@@ -131,7 +133,7 @@ class WritePipeline:
     def __init__(
         self,
         *,
-        read_rows: Callable[[str, int, int, torch.Tensor], None],
+        read_band: Callable[[str, int, int, torch.Tensor], torch.Tensor],
         writers: dict[str, RecordFileWriter],
         work: list[TensorWork],
         points: list[int],
@@ -143,7 +145,7 @@ class WritePipeline:
         bands_in_flight: int = BANDS_IN_FLIGHT,
         band_bytes: int = 0,
     ) -> None:
-        self.read_rows = read_rows
+        self.read_band = read_band
         self.writers = writers
         self.work = work
         self.points = points
@@ -153,7 +155,7 @@ class WritePipeline:
         self.on_bytes = on_bytes
         self.check_stop = check_stop
         self.budget = threading.BoundedSemaphore(bands_in_flight)
-        self.pool = BufferPool(keep=2 * bands_in_flight, minimum=band_bytes)  # every buffer fits every band
+        self.pool = BufferPool(keep=2 * bands_in_flight, minimum=band_buffer_bytes(band_bytes))  # fits any band
         self.events: queue.Queue = queue.Queue()
         self.bands: queue.Queue = queue.Queue()
         self.jobs: queue.Queue = queue.Queue()  # points for the journal thread
@@ -189,14 +191,13 @@ class WritePipeline:
                         self.budget.release()
                         return
                     count = band.count if t.layout.shape else 1
-                    raw = self.pool.take(count * row if band.count else 0)
-                    if band.count:
-                        self.read_rows(t.layout.name, band.start, band.count, raw)
+                    raw = self.pool.take(band_buffer_bytes(count * row) if band.count else 0)
+                    data = self.read_band(t.layout.name, band.start, band.count, raw) if band.count else raw[:0]
                     if not band.chunks:  # read only to hash the source file
                         self.pool.give(raw)
                         self.budget.release()
                         continue
-                    self.bands.put((t, band, raw))
+                    self.bands.put((t, band, raw, data))
             self.bands.put(None)
         except BaseException as exc:  # noqa: BLE001 - carried to the calling thread
             self.bands.put(_Failed(exc))
@@ -274,11 +275,11 @@ class WritePipeline:
                 break
             if isinstance(item, _Failed):
                 raise item
-            t, band, raw = item
+            t, band, raw, data = item
             while marked < len(self.points) and self.points[marked] < t.index:
                 self._mark(queues, marked)
                 marked += 1
-            data, cast = cast_band(t.layout, raw, band.count if t.layout.shape else 1, self.pool)
+            data, cast = cast_band(t.layout, data, band.count if t.layout.shape else 1, self.pool)
 
             def release(raw=raw, cast=cast) -> None:
                 self.pool.give(raw)

@@ -179,6 +179,8 @@ def cast_band(
     if layout.dtype == layout.source_dtype:
         return raw, None
     shape = (count, *layout.shape[1:]) if layout.shape else ()
+    if raw.storage_offset() % layout.source_dtype.itemsize:  # a source tensor not aligned to its dtype
+        raw = raw.clone()
     out = pool.take(math.prod(shape) * layout.dtype.itemsize)
     _typed(out, layout.dtype, shape).copy_(_typed(raw, layout.source_dtype, shape))
     return out, out
