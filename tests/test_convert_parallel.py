@@ -327,3 +327,19 @@ def test_torchrun_entry_point_writes_the_same_bytes(source, reference, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("wrote ") == 1, done.stdout  # one summary line, from the lowest rank
     _assert_same_files(reference["tp4"], out)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_plan_check_against_the_model_runs_while_converting_and_blocks_the_commit(tiny_sources, tmp_path, workers):
+    """The attention rules are checked against the model class (diffusers, on the meta device) on a thread
+    while the data is written; a failing check is the conversion's error and nothing is committed."""
+    from preshard.errors import PlanError
+
+    plan = json.loads((Path(convert_module.__file__).parents[1] / "plans/builtin/minimax-h3.json").read_text())
+    plan["attention"][0]["divide"] = [*plan["attention"][0]["divide"], "no_such_attribute"]
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(json.dumps(plan))
+    out = tmp_path / "out"
+    with pytest.raises(PlanError, match="no integer attribute 'no_such_attribute'"):
+        convert_checkpoint(tiny_sources("mixed"), out, tp=2, plan=plan_file, progress=False, workers=workers)
+    assert not out.exists()

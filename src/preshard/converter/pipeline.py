@@ -7,8 +7,8 @@ Threads (torch copies, xxhash and positional file I/O all release the GIL):
 - the calling thread cuts each band into pieces (views, no copies; a cast makes one copy) and hands
   each piece to the writer of its data file; it also collects what the writers report and checks for
   SIGINT/SIGTERM between bands;
-- one writer per data file writes that file's records in file order (a bounded stream of pieces); a band
-  goes back to the pool when every writer is done with its pieces;
+- one writer per data file writes that file's records in file order (a stream of pieces, bounded by the
+  band budget); a band goes back to the pool when every writer is done with its pieces;
 - a journal thread claims finished tensors: at each sync point (a position in the write order, the same
   in every process) every writer makes its file durable, then the point is exchanged with the other
   processes (if any) and the lowest rank appends the tensors to the journal. Nothing is claimed before
@@ -176,6 +176,7 @@ class WritePipeline:
         self._handed = 0  # points handed to the journal thread
         self._journaled = 0
         self._exchanging = True  # the journal thread still exchanges (no failure exchanged yet)
+        self._workers: list[threading.Thread] = []
 
     # -- threads
 
@@ -232,6 +233,7 @@ class WritePipeline:
             )
             for name, w in self.writers.items()
         ]
+        self._workers = writers
         reader = threading.Thread(target=self._read, name="read", daemon=True)
         journal = threading.Thread(target=self._journal_loop, name="journal", daemon=True)
         for thread in (*writers, reader, journal):
@@ -312,7 +314,8 @@ class WritePipeline:
             try:
                 return self.events.get(timeout=POLL_S)
             except queue.Empty:
-                continue
+                if not all(thread.is_alive() for thread in self._workers):  # never: a guard against waiting forever
+                    raise RuntimeError("a writer thread stopped without a word") from None
 
     def _drain(self) -> None:
         while True:
