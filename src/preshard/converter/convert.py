@@ -423,7 +423,8 @@ class _Conversion:
         error = payload = None
         try:
             pipeline = WritePipeline(
-                read_band=self.reader.read_band,
+                start_band=self.reader.start_band,
+                finish_band=self.reader.finish_band,
                 writers=self.writers,
                 work=_tasks(job, self.reader, done, self.mine, hashed),
                 points=points,

@@ -36,6 +36,7 @@ from preshard.format.slicing import Band, BufferPool, cast_band, cut_band, sourc
 from preshard.sources.reader import band_buffer_bytes
 
 BANDS_IN_FLIGHT = 4
+READS_AHEAD = 2  # bands being read at once (a cold read keeps the device busy across band boundaries)
 POLL_S = 0.1  # how often a waiting thread looks at the stop flag
 _STOP = object()
 
@@ -114,8 +115,9 @@ class WritePipeline:
     """Runs one process's share of a conversion; see the module docstring.
 
     Args:
-        read_band: `read_band(tensor, start, count, buffer)` reads source rows into the flat uint8 `buffer` (of
-            `band_buffer_bytes` of their size) and returns the view holding them (`SourceReader.read_band`).
+        start_band, finish_band: `start_band(tensor, start, count, buffer)` starts reading source rows into the
+            flat uint8 `buffer` (of `band_buffer_bytes` of their size); `finish_band(started)` waits for them and
+            returns the view holding them (`SourceReader`; bands are finished in the order they were started).
         writers: this process's data files, by file name.
         work: the tensors to read, in write order.
         points: sync points (write-order positions, ascending; the last is the job's last tensor to write).
@@ -133,7 +135,8 @@ class WritePipeline:
     def __init__(
         self,
         *,
-        read_band: Callable[[str, int, int, torch.Tensor], torch.Tensor],
+        start_band: Callable[[str, int, int, torch.Tensor], Any],
+        finish_band: Callable[[Any], torch.Tensor],
         writers: dict[str, RecordFileWriter],
         work: list[TensorWork],
         points: list[int],
@@ -145,7 +148,7 @@ class WritePipeline:
         bands_in_flight: int = BANDS_IN_FLIGHT,
         band_bytes: int = 0,
     ) -> None:
-        self.read_band = read_band
+        self.start_band, self.finish_band = start_band, finish_band
         self.writers = writers
         self.work = work
         self.points = points
@@ -181,6 +184,7 @@ class WritePipeline:
     # -- threads
 
     def _read(self) -> None:
+        pending: deque = deque()  # bands being read: up to READS_AHEAD at once, finished in order
         try:
             for t in self.work:
                 row = source_row_bytes(t.layout) if t.layout.shape else t.layout.source_dtype.itemsize
@@ -193,15 +197,23 @@ class WritePipeline:
                         return
                     count = band.count if t.layout.shape else 1
                     raw = self.pool.take(band_buffer_bytes(count * row) if band.count else 0)
-                    data = self.read_band(t.layout.name, band.start, band.count, raw) if band.count else raw[:0]
-                    if not band.chunks:  # read only to hash the source file
-                        self.pool.give(raw)
-                        self.budget.release()
-                        continue
-                    self.bands.put((t, band, raw, data))
+                    started = self.start_band(t.layout.name, band.start, band.count, raw) if band.count else None
+                    pending.append((t, band, raw, started))
+                    while len(pending) >= READS_AHEAD:
+                        self._deliver(*pending.popleft())
+            while pending:
+                self._deliver(*pending.popleft())
             self.bands.put(None)
         except BaseException as exc:  # noqa: BLE001 - carried to the calling thread
             self.bands.put(_Failed(exc))
+
+    def _deliver(self, t: TensorWork, band: Band, raw: torch.Tensor, started: Any) -> None:
+        data = self.finish_band(started) if started is not None else raw[:0]
+        if not band.chunks:  # read only to hash the source file
+            self.pool.give(raw)
+            self.budget.release()
+            return
+        self.bands.put((t, band, raw, data))
 
     def _journal_loop(self) -> None:
         local_error: BaseException | None = None  # this thread's own failure, to tell the others at the next point

@@ -21,7 +21,8 @@ import errno
 import mmap
 import os
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -108,6 +109,17 @@ class _Residency:
             self.libc.munmap(addr, length)
 
 
+@dataclass
+class PendingBand:
+    """A band being read (`SourceReader.start_band`)."""
+
+    path: Path
+    offset: int
+    nbytes: int
+    buffer: torch.Tensor
+    direct: tuple[torch.Tensor, list[Future]] | None  # the aligned region and its part reads, when direct
+
+
 class SourceReader:
     """Reads row ranges of source tensors into caller buffers, hashing files read in order."""
 
@@ -139,19 +151,41 @@ class SourceReader:
     def read_band(self, name: str, start: int, count: int, buffer: torch.Tensor) -> torch.Tensor:
         """Rows `[start, start + count)` of tensor `name`, read into `buffer` (flat uint8, at least
         `band_buffer_bytes` of the rows' size), from the page cache or directly; returns the view holding them."""
+        return self.finish_band(self.start_band(name, start, count, buffer))
+
+    def start_band(self, name: str, start: int, count: int, buffer: torch.Tensor) -> PendingBand:
+        """Start reading a band (as `read_band`): a direct read is under way when this returns, so that the next
+        band's can start before this one's ends. Finish bands with `finish_band`, in the order they were started
+        (the file hashes are fed then)."""
         entry = self.tensors[name]
         offset = entry.start + start * entry.row_bytes
         nbytes = count * entry.row_bytes if entry.shape else entry.nbytes
-        view = self._read_direct(entry.path, offset, nbytes, buffer)
-        if view is None:
-            view = buffer[:nbytes]
-            pread_into(self.fds[entry.path], offset, [byte_view(view)], entry.path.name)
-        self._feed(entry.path, offset, byte_view(view))
+        return PendingBand(entry.path, offset, nbytes, buffer, self._start_direct(entry.path, offset, nbytes, buffer))
+
+    def finish_band(self, band: PendingBand) -> torch.Tensor:
+        """Wait for a band started with `start_band`; returns the view holding its rows."""
+        view = None
+        if band.direct is not None:
+            region, parts = band.direct
+            try:
+                if all(part.result() for part in parts):
+                    first = band.offset - band.offset % ALIGN
+                    view = region[band.offset - first : band.offset - first + band.nbytes]
+                    self.direct_bytes += band.nbytes
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                with contextlib.suppress(KeyError, OSError):  # O_DIRECT at open, not at read: the page cache
+                    os.close(self.direct_fds.pop(band.path))
+        if view is None:  # not direct, or the file ends early (the buffered read then names the truncation)
+            view = band.buffer[: band.nbytes]
+            pread_into(self.fds[band.path], band.offset, [byte_view(view)], band.path.name)
+        self._feed(band.path, band.offset, byte_view(view))
         return view
 
-    def _read_direct(self, path: Path, offset: int, nbytes: int, buffer: torch.Tensor) -> torch.Tensor | None:
-        """Read with O_DIRECT unless the range is cached (or small, or O_DIRECT is not to be had): the file's
-        blocks around the range land in `buffer` at an aligned address; returns the range's view, or None."""
+    def _start_direct(self, path: Path, offset: int, nbytes: int, buffer: torch.Tensor):
+        """Start an O_DIRECT read unless the range is cached (or small, or O_DIRECT is not to be had): the file's
+        blocks around the range land in `buffer` at an aligned address. Returns (region, futures) or None."""
         fd = self.direct_fds.get(path)
         if (
             fd is None
@@ -170,25 +204,16 @@ class SourceReader:
         # Several reads in flight (a deeper device queue), each of whole blocks.
         step = max(DIRECT_PART_BYTES, -(-(last - first) // DIRECT_PARTS))
         step += -step % ALIGN
-        parts = [(a, min(a + step, offset + nbytes)) for a in range(first, offset + nbytes, step)]
-        try:
-            if len(parts) == 1:
-                complete = [_read_part(fd, view, first, *parts[0])]
-            else:
-                complete = list(self._pool().map(lambda part: _read_part(fd, view, first, *part), parts))
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-            os.close(self.direct_fds.pop(path))  # O_DIRECT at open, not at read: the page cache it is
-            return None
-        if not all(complete):
-            return None  # the file ends early: the buffered read names the truncation
-        self.direct_bytes += nbytes
-        return region[offset - first : offset - first + nbytes]
+        pool = self._pool()
+        parts = [
+            pool.submit(_read_part, fd, view, first, a, min(a + step, offset + nbytes))
+            for a in range(first, offset + nbytes, step)
+        ]
+        return region, parts
 
     def _pool(self) -> ThreadPoolExecutor:
         if self._threads is None:
-            self._threads = ThreadPoolExecutor(DIRECT_PARTS, thread_name_prefix="read")
+            self._threads = ThreadPoolExecutor(2 * DIRECT_PARTS, thread_name_prefix="read")
         return self._threads
 
     def read_into(self, entry: TensorEntry, offset: int, out: torch.Tensor) -> None:
