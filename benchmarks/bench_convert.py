@@ -9,7 +9,7 @@ penalised the converter):
   repeated random buffer (no model is instantiated). Memory and per-tensor costs scale with these shapes.
 * Whole processes, both sides synced. Every step is one shell command in its own process group, timed
   from its start to its exit: `cp -r SRC DST && sync`, `cat SRC/* > /dev/null`, and
-  `convert-checkpoint SRC OUT --tp T --cp C --quiet && sync` (interpreter start and imports included).
+  `convert-checkpoint SRC OUT --tp T --cp C --no-progress && sync` (interpreter start and imports included).
   Before each step the machine is synced outside the clock, so no step pays for another's dirty pages.
 * Alternating repetitions. Each --reps repetition runs every step once, in an order that rotates from
   repetition to repetition, warm and cold interleaved, so drift in the machine's load or the disk's
