@@ -127,11 +127,9 @@ class SourceReader:
         self.tensors = source.tensors
         self.files = {h.path: h for h in source.files}
         self.fds = {path: os.open(path, os.O_RDONLY) for path in self.files}
-        self.direct_fds: dict[Path, int] = {}
-        if (DIRECT_IO if direct is None else direct) and hasattr(os, "O_DIRECT"):
-            for path in self.files:
-                with contextlib.suppress(OSError):  # a file system without O_DIRECT: the page cache it is
-                    self.direct_fds[path] = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        self.direct_fds: dict[Path, int] = {}  # opened at the first direct read of each file
+        self._direct = (DIRECT_IO if direct is None else direct) and hasattr(os, "O_DIRECT")
+        self._no_direct: set[Path] = set()  # files whose file system refuses O_DIRECT
         self.residency = _Residency()
         self.direct_bytes = 0  # how much came in with O_DIRECT (the rest: from the page cache)
         self._threads: ThreadPoolExecutor | None = None
@@ -175,7 +173,8 @@ class SourceReader:
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
-                with contextlib.suppress(KeyError, OSError):  # O_DIRECT at open, not at read: the page cache
+                self._no_direct.add(band.path)  # O_DIRECT at open, not at read: the page cache it is
+                with contextlib.suppress(KeyError, OSError):
                     os.close(self.direct_fds.pop(band.path))
         if view is None:  # not direct, or the file ends early (the buffered read then names the truncation)
             view = band.buffer[: band.nbytes]
@@ -186,12 +185,8 @@ class SourceReader:
     def _start_direct(self, path: Path, offset: int, nbytes: int, buffer: torch.Tensor):
         """Start an O_DIRECT read unless the range is cached (or small, or O_DIRECT is not to be had): the file's
         blocks around the range land in `buffer` at an aligned address. Returns (region, futures) or None."""
-        fd = self.direct_fds.get(path)
-        if (
-            fd is None
-            or nbytes < DIRECT_MIN_BYTES
-            or self.residency.cached(self.fds[path], offset, nbytes) is not False
-        ):
+        fd = self._direct_fd(path) if nbytes >= DIRECT_MIN_BYTES else None
+        if fd is None or self.residency.cached(self.fds[path], offset, nbytes) is not False:
             return None
         first = offset - offset % ALIGN
         last = offset + nbytes
@@ -210,6 +205,17 @@ class SourceReader:
             for a in range(first, offset + nbytes, step)
         ]
         return region, parts
+
+    def _direct_fd(self, path: Path) -> int | None:
+        if not self._direct or path in self._no_direct:
+            return None
+        if path not in self.direct_fds:
+            try:
+                self.direct_fds[path] = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            except OSError:  # a file system without O_DIRECT: the page cache it is
+                self._no_direct.add(path)
+                return None
+        return self.direct_fds[path]
 
     def _pool(self) -> ThreadPoolExecutor:
         if self._threads is None:
