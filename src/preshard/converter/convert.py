@@ -411,8 +411,8 @@ class _Conversion:
                 for name, by_position in part.items():
                     self.sums.setdefault(name, {}).update(by_position)
             if self.journal is not None:
-                low = job.write_order[points[point - 1]] if point else None
-                names = _between(job.write_order, low, job.write_order[points[point]], done)
+                low = points[point - 1] + 1 if point else 0
+                names = [n for n in job.write_order[low : points[point] + 1] if n not in done]
                 chunks = {n: [self.sums[n][i] for i in range(len(job.files.chunks[n]))] for n in names}
                 self.journal.append([{"tensor": n, "chunks": chunks[n]} for n in names])
 
@@ -546,12 +546,6 @@ def _sync_points(job: ConversionPlan, done: dict) -> list[int]:
     if last is not None and (not points or points[-1] != last):
         points.append(last)
     return points
-
-
-def _between(order: list[str], low: str | None, high: str, done: dict) -> list[str]:
-    """The tensors after `low` up to and including `high` in the write order, done ones aside."""
-    start = order.index(low) + 1 if low is not None else 0
-    return [n for n in order[start : order.index(high) + 1] if n not in done]
 
 
 def _tensor_written(name: str) -> None:
