@@ -9,7 +9,7 @@ penalised the converter):
   repeated random buffer (no model is instantiated). Memory and per-tensor costs scale with these shapes.
 * Whole processes, both sides synced. Every step is one shell command in its own process group, timed
   from its start to its exit: `cp -r SRC DST && sync`, `cat SRC/* > /dev/null`, and
-  `convert-checkpoint SRC OUT --tp T --cp C --quiet && sync` (interpreter start and imports included).
+  `convert-checkpoint SRC OUT --tp T --cp C --no-progress && sync` (interpreter start and imports included).
   Before each step the machine is synced outside the clock, so no step pays for another's dirty pages.
 * Alternating repetitions. Each --reps repetition runs every step once, in an order that rotates from
   repetition to repetition, warm and cold interleaved, so drift in the machine's load or the disk's
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
 
         files = " ".join(shlex.quote(str(src / f)) for f in sorted(os.listdir(src)))
         q = shlex.quote
-        conv = shlex.join(convert) + f" {q(str(src))} {q(str(out))} --tp {args.tp} --cp {args.cp} --quiet"
+        conv = shlex.join(convert) + f" {q(str(src))} {q(str(out))} --tp {args.tp} --cp {args.cp} --no-progress"
         steps = {CP: f"cp -r {q(str(src))} {q(str(dst))} && sync", "read": f"cat {files} > /dev/null"}
         steps[f"convert tp{args.tp} cp{args.cp}"] = f"{conv} && sync"
         for p in workers:

@@ -123,7 +123,7 @@ def _files_of(folder: Path) -> list[Path]:
 
 def _variant_files(checkpoint: Path, source: Path, rank: int) -> dict[str, list[Path]]:
     """What each variant reads (warm runs read these first)."""
-    from preshard.manifests.io import read_manifest
+    from preshard.format.manifest import read_manifest
 
     manifest = read_manifest(checkpoint)
     mine = [checkpoint / f for f in manifest.files_for_tp_rank(rank)] + [checkpoint / "manifest.json"]
@@ -149,18 +149,12 @@ def _status_kib(key: str) -> int:
     return 0
 
 
-def _local_shape(tensor, tp: int) -> list[int]:
-    shape = list(tensor.shape)
-    if tensor.shard_dim is not None:
-        shape[tensor.shard_dim] //= tp
-    return shape
-
-
 def _preallocate(manifest) -> dict:
+    """Each tensor's local (this rank's) tensor, allocated before the clock starts."""
     import torch
 
     return {
-        name: torch.empty(_local_shape(t, manifest.tp), dtype=getattr(torch, t.dtype))
+        name: torch.empty(t.layout.local_shape(manifest.tp), dtype=t.layout.dtype)
         for name, t in manifest.tensors.items()
     }
 
@@ -184,7 +178,7 @@ def rank_ranges(manifest, rank: int) -> list[tuple[str, int, int]]:
 def _prepare_raw(checkpoint: Path, rank: int):
     import torch
 
-    from preshard.manifests.io import read_manifest
+    from preshard.format.manifest import read_manifest
 
     ranges = rank_ranges(read_manifest(checkpoint), rank)
     size = sum(b - a for _, a, b in ranges)
@@ -216,7 +210,7 @@ def _prepare_raw(checkpoint: Path, rank: int):
 
 
 def _prepare_preshard(checkpoint: Path, rank: int):
-    from preshard.manifests.io import read_manifest
+    from preshard.format.manifest import read_manifest
     from preshard.runtime.reader import ShardReader
 
     manifest = read_manifest(checkpoint)
@@ -232,47 +226,50 @@ def _prepare_preshard(checkpoint: Path, rank: int):
     return read
 
 
-def _copy_slice(handle, tensor, tp: int, rank: int, out) -> None:
-    """Copy this rank's part of `tensor` from the original file into `out`, as a shard-on-read loader must.
+def _copy_slice(handle, layout, tp: int, rank: int, out) -> None:
+    """Copy this rank's part of a tensor from the original file into `out`, as a shard-on-read loader must.
 
     get_slice(...)[...] may be a view of the mmapped file (safetensors >= 0.8): copy_ is what reads it.
+    `layout` is the manifest's TensorLayout: the split dimension and its blocks (packed styles: the rank's
+    slice of each block, in order).
     """
-    sl = handle.get_slice(tensor.name)
-    if tensor.shard_dim is None:
+    sl = handle.get_slice(layout.name)
+    if layout.shard_dim is None:
         out.copy_(sl[:])
         return
-    size = tensor.shape[tensor.shard_dim]
-    if tensor.shard_dim == 1:
-        width = size // tp
-        out.copy_(sl[:, rank * width : (rank + 1) * width])
-        return
-    # colwise: one block; packed_colwise: the manifest's block sizes, this rank's rows of each, in order
     base = at = 0
-    for block in tensor.blocks or [size]:
+    for block in layout.blocks:
         width = block // tp
-        out[at : at + width].copy_(sl[base + rank * width : base + (rank + 1) * width])
+        lo, hi = base + rank * width, base + (rank + 1) * width
+        if layout.shard_dim == 0:
+            out[at : at + width].copy_(sl[lo:hi])
+        else:
+            out[:, at : at + width].copy_(sl[:, lo:hi])
         base += block
         at += width
 
 
-def _pages_touched(entry, tensor, tp: int, rank: int, page: int) -> list[tuple[int, int]]:
-    """Page intervals [first, last] of the source file that hold bytes of this rank's slice of `tensor`."""
+def _pages_touched(entry, layout, tp: int, rank: int, page: int) -> list[tuple[int, int]]:
+    """Page intervals [first, last] of the source file that hold bytes of this rank's slice of a tensor."""
     spans: list[tuple[int, int]] = []  # absolute byte ranges [a, b)
-    if tensor.shard_dim is None:
+    if layout.shard_dim is None:
         spans.append((entry.start, entry.end))
-    elif tensor.shard_dim == 0:
+    elif layout.shard_dim == 0:
         base = 0
-        for block in tensor.blocks or [tensor.shape[0]]:
+        for block in layout.blocks:
             width = block // tp
             first = base + rank * width
             spans.append((entry.start + first * entry.row_bytes, entry.start + (first + width) * entry.row_bytes))
             base += block
     else:
-        item = entry.row_bytes // tensor.shape[1]
-        width = tensor.shape[1] // tp
-        for row in range(tensor.shape[0]):
-            a = entry.start + row * entry.row_bytes + rank * width * item
-            spans.append((a, a + width * item))
+        item = entry.row_bytes // layout.shape[1]
+        for row in range(layout.shape[0]):
+            base = 0
+            for block in layout.blocks:
+                width = block // tp
+                a = entry.start + row * entry.row_bytes + (base + rank * width) * item
+                spans.append((a, a + width * item))
+                base += block
     return [(a // page, (b - 1) // page) for a, b in spans if b > a]
 
 
@@ -288,8 +285,8 @@ def _merged_pages(intervals: list[tuple[int, int]]) -> int:
 def _prepare_slice(checkpoint: Path, rank: int):
     from safetensors import safe_open
 
-    from preshard.converter.sources import open_source
-    from preshard.manifests.io import read_manifest
+    from preshard.format.manifest import read_manifest
+    from preshard.sources import open_source
 
     # Which slice each tensor needs comes from the manifest (the resolved plan), read before the clock starts.
     manifest = read_manifest(checkpoint)
@@ -301,7 +298,7 @@ def _prepare_slice(checkpoint: Path, rank: int):
     for path in files:
         intervals = []
         for n in by_file[path]:
-            intervals += _pages_touched(source.tensors[n], manifest.tensors[n], manifest.tp, rank, page)
+            intervals += _pages_touched(source.tensors[n], manifest.tensors[n].layout, manifest.tp, rank, page)
         touched += _merged_pages(intervals) * page
     outs = _preallocate(manifest)
 
@@ -311,7 +308,7 @@ def _prepare_slice(checkpoint: Path, rank: int):
             with safe_open(str(path), framework="pt") as handle:
                 for name in by_file[path]:
                     out = outs[name]
-                    _copy_slice(handle, manifest.tensors[name], manifest.tp, rank, out)
+                    _copy_slice(handle, manifest.tensors[name].layout, manifest.tp, rank, out)
                     nbytes += out.numel() * out.element_size()
         return nbytes, touched
 
@@ -358,7 +355,7 @@ def check(checkpoint: Path, rank: int) -> dict:
     """preshard and slice deliver the same tensors bit for bit, and raw the same bytes (else nothing compares)."""
     import torch
 
-    from preshard.manifests.io import read_manifest
+    from preshard.format.manifest import read_manifest
 
     preshard, sliced = _prepare_preshard(checkpoint, rank), _prepare_slice(checkpoint, rank)
     preshard()
@@ -606,7 +603,7 @@ def main(argv: list[str] | None = None) -> None:
         t2 = time.perf_counter()
         styles: dict[str, int] = {}
         for t in manifest.tensors.values():
-            styles[t.style] = styles.get(t.style, 0) + 1
+            styles[t.layout.style.name] = styles.get(t.layout.style.name, 0) + 1
         total = sum(f.size for f in manifest.files)
         counts = ", ".join(f"{k} {v}" for k, v in sorted(styles.items()))
         src_bytes = sum(p.stat().st_size for p in (_files_of(source) if source.is_dir() else [source]))

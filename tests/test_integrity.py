@@ -38,6 +38,7 @@ from torch import nn
 from preshard import MeshSpec, convert_checkpoint, load_sharded, verify_checkpoint
 from preshard.cli import convert_checkpoint_command, main
 from preshard.converter import convert as convert_module
+from preshard.converter import writer as writer_module
 from preshard.errors import MismatchError, UsageError
 from preshard.format.manifest import read_manifest
 
@@ -374,15 +375,19 @@ def test_a_record_damaged_on_disk_while_converting_is_not_blessed_by_the_manifes
     out = tmp_path / "out"
     job = convert_module.plan_conversion(source, mesh=MeshSpec(tp=2), plan=plan)
     victim = job.files.chunks[job.write_order[2]][0]
-    seen: list[str] = []
+    damaged: list[bool] = []
 
     def damage_once(name: str) -> None:
-        seen.append(name)
-        if len(seen) == 6:
+        path = partial_of(out) / victim.file
+        if not damaged and path.exists() and path.stat().st_size >= victim.end:  # written out, not just staged
             _damage(partial_of(out), victim, "header")
+            damaged.append(True)
 
+    # Stages of one block: records are written out as they come, not only at the end (the source is small).
+    monkeypatch.setattr(convert_module, "stage_bytes", lambda files: writer_module.ALIGN)
     monkeypatch.setattr(convert_module, "_after_tensor_hook", damage_once)
     convert_checkpoint(source, out, tp=2, plan=plan, progress=False)
+    assert damaged, "the record was never written out before the last tensor: nothing was tested"
     problems = verify_checkpoint(out, source=source).problems
     assert any(victim.file in p for p in problems), problems
 

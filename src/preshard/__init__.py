@@ -15,6 +15,7 @@ from preshard.errors import (
     PreshardError,
     SourceError,
     UsageError,
+    WorkerError,
 )
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ __all__ = [
     "SourceError",
     "UsageError",
     "VerifyResult",
+    "WorkerError",
     "convert_checkpoint",
     "load_sharded",
     "read_manifest",

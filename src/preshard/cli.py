@@ -162,11 +162,19 @@ def _hub_options(fn):
     help="Resolve source (Hub: headers only), plan and mesh; print per-rank bytes, output size, free space and a "
     "time estimate from a short read/write probe; write nothing.",
 )
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Local processes converting in parallel (at most --tp; several hosts: torchrun -m preshard.torchrun_convert).",
+)
 @_progress_option
 @click.version_option(__version__, "--version", prog_name="convert-checkpoint")
 @user_errors
 def convert_checkpoint_command(
     source, output, tp, cp, ring, ulysses, order, plan, dtype, subfolder, revision, token, overwrite, wait, dry_run,
+    workers,
     progress,
 ):  # fmt: skip
     """Slice SOURCE (.safetensors file, diffusers weights folder or Hub repo id) into per-rank shards in OUTPUT."""
@@ -192,6 +200,7 @@ def convert_checkpoint_command(
         manifest = convert_checkpoint(
             source, output, tp=tp, cp=cp, ring=ring, ulysses=ulysses, order=order, plan=plan, dtype=dtype,
             subfolder=subfolder, revision=revision, token=token, overwrite=overwrite, wait=wait, progress=progress,
+            workers=workers,
         )  # fmt: skip
     click.echo(summary_line(manifest, output))
 

@@ -47,6 +47,10 @@ class DeviceError(PreshardError):
     """The requested device or backend is not available, or the launch does not fit it."""
 
 
+class WorkerError(PreshardError):
+    """A process of a parallel conversion died or could not be reached (the finished part is kept)."""
+
+
 class Interrupted(PreshardError):
     """SIGINT or SIGTERM stopped a conversion at a safe point; re-running the same command resumes it."""
 

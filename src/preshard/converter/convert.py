@@ -2,20 +2,32 @@
 
 The whole output layout (every record's file and offset) is derived from the plan and the source headers
 before anything is written (`preshard.format.layout`). Then the source is read once, front to back, in
-bands; each band is cut into the pieces of its chunks (`slicer`) and appended to the rank files
-(`writer`), which hash what they write. The working folder, lock, journal and commit are `workdir`'s.
+bands, through a pipeline (`pipeline`): a reader thread reads ahead, the bands are cut into pieces
+(`preshard.format.slicing`), and one writer thread per data file stages, hashes and writes them
+(`writer`). With `workers > 1`, or under torchrun (`parallel`), the data files are divided among
+processes that each read only what their files need; the lowest rank journals and commits. The working
+folder, lock, journal and commit are `workdir`'s.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import gc
 import hashlib
 import json
-from dataclasses import dataclass
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from preshard.converter.parallel import Coordinator, active_coordinator, owned_files
+from preshard.converter.pipeline import TensorWork, WritePipeline
 from preshard.converter.signals import StopFlag, deferred_signals
 from preshard.converter.workdir import (
     Journal,
@@ -28,11 +40,10 @@ from preshard.converter.workdir import (
     partial_dir,
     resume,
 )
-from preshard.converter.writer import RecordFileWriter
-from preshard.errors import UsageError
-from preshard.format.dcp_metadata import write_dcp_metadata
+from preshard.converter.writer import RecordFileWriter, stage_bytes
+from preshard.errors import MismatchError, UsageError
+from preshard.format import slicing
 from preshard.format.dtypes import dtype_name, parse_cast
-from preshard.format.fileio import byte_view
 from preshard.format.jsonio import fsync_file, write_json_atomic
 from preshard.format.layout import ChunkRecord, FileLayout, TensorLayout, data_file_name, place_records
 from preshard.format.manifest import (
@@ -45,7 +56,6 @@ from preshard.format.manifest import (
 )
 from preshard.format.mesh import MeshSpec
 from preshard.format.plan import Plan, resolve_plan
-from preshard.format.slicing import BufferPool, tensor_pieces
 from preshard.format.torch_record import RECORD_FRAMING_VERSION
 from preshard.plans.from_model import check_plan_against_model
 from preshard.plans.registry import choose_plan
@@ -96,6 +106,13 @@ class ConversionPlan:
     def output_bytes(self) -> int:
         return sum(self.files.file_sizes)
 
+    @property
+    def band_bytes(self) -> int:
+        """The band size: `slicing.BAND_BYTES`, but no more than a quarter of the largest tensor (at least 1 MiB),
+        so that the bands in flight and their buffers stay about the size of the largest tensor, however small."""
+        largest = max((layout.shape_bytes(source=True) for layout in self.layouts.values()), default=0)
+        return min(slicing.BAND_BYTES, max(1 << 20, largest // 4))
+
 
 def plan_conversion(
     source: str | Path | ConversionSource,
@@ -106,8 +123,13 @@ def plan_conversion(
     subfolder: str | None = None,
     revision: str | None = None,
     token: str | bool | None = None,
+    check_model: bool = True,
 ) -> ConversionPlan:
-    """Resolve source, plan, mesh and layout without writing anything (what a dry run shows)."""
+    """Resolve source, plan, mesh and layout without writing anything (what a dry run shows).
+
+    `check_model`: also check the plan's attention rules against the model class (which imports diffusers and
+    builds the model on the meta device: seconds); `convert_checkpoint` does that while it converts instead.
+    """
     cast = parse_cast(dtype)
     if isinstance(source, (str, Path)):
         src = open_source(source, subfolder=subfolder, revision=revision, token=token)
@@ -115,7 +137,8 @@ def plan_conversion(
         src = source
     chosen = choose_plan(plan, src.config)
     layouts = resolve_plan(chosen, src.shapes(), mesh.tp, cast=cast, config=src.config or {})
-    check_plan_against_model(chosen, src.config, mesh.tp)
+    if check_model:
+        check_plan_against_model(chosen, src.config, mesh.tp)
     order = src.read_order()
     files = place_records([layouts[name] for name in order], mesh.tp)
     return ConversionPlan(src, chosen, mesh, cast, layouts, files, order)
@@ -139,6 +162,7 @@ def convert_checkpoint(
     overwrite: bool = False,
     wait: bool = False,
     progress: bool | None = None,
+    workers: int = 1,
 ) -> Manifest:
     """Convert a safetensors checkpoint into per-TP-rank DCP shards and a manifest, in `output`.
 
@@ -154,21 +178,52 @@ def convert_checkpoint(
         overwrite: replace an existing `output`.
         wait: wait for another conversion into the same `output` to finish instead of failing at once.
         progress: show progress (default: when stderr is a terminal).
+        workers: local processes to convert with (at most `tp`: each writes its share of the data files). The
+            output is the same, byte for byte. Under torchrun (`torchrun -m preshard.torchrun_convert`) the
+            job's processes are the workers.
 
     Returns:
         The manifest written to `output/manifest.json`.
 
     Raises:
-        UsageError: a bad mesh or dtype. SourceError: a missing, malformed or changing source.
+        UsageError: a bad mesh, dtype or worker count. SourceError: a missing, malformed or changing source.
         PlanError: a plan that does not fit the checkpoint or the TP degree. OutputError: an output that
         cannot be written (exists, locked, too little disk space). Interrupted: SIGINT/SIGTERM (the finished
-        part is kept for a resume).
+        part is kept for a resume). WorkerError: a worker process died.
     """
-    mesh = resolve_mesh(mesh, tp, cp, ring, ulysses, order)
-    job = plan_conversion(
-        source, mesh=mesh, plan=plan, dtype=dtype, subfolder=subfolder, revision=revision, token=token
+    coordinator = active_coordinator()
+    try:
+        mesh = resolve_mesh(mesh, tp, cp, ring, ulysses, order)
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise UsageError(f"workers must be a positive integer, not {workers!r}")
+        if coordinator is not None and workers != 1:
+            raise UsageError("under torchrun the job's processes are the workers; drop --workers")
+        if workers > mesh.tp:
+            raise UsageError(
+                f"--workers {workers} is more than --tp {mesh.tp}: each worker writes whole data files, one per "
+                f"TP rank; use --workers {mesh.tp} or fewer"
+            )
+        job = plan_conversion(
+            source,
+            mesh=mesh,
+            plan=plan,
+            dtype=dtype,
+            subfolder=subfolder,
+            revision=revision,
+            token=token,
+            check_model=False,  # done while converting
+        )
+    except BaseException as exc:
+        if coordinator is not None:
+            coordinator.fail(exc)  # so that the other processes stop too
+        raise
+    if workers > 1:
+        from preshard.converter.parallel import run_workers
+
+        return run_workers(job, Path(output), workers=workers, overwrite=overwrite, wait=wait, progress=progress)
+    return write_conversion(
+        job, Path(output), overwrite=overwrite, wait=wait, progress=progress, coordinator=coordinator, check_model=True
     )
-    return write_conversion(job, Path(output), overwrite=overwrite, wait=wait, progress=progress)
 
 
 def space_needed(job: ConversionPlan) -> int:
@@ -177,14 +232,104 @@ def space_needed(job: ConversionPlan) -> int:
 
 
 def write_conversion(
-    job: ConversionPlan, output: Path, *, overwrite: bool = False, wait: bool = False, progress: bool | None = None
+    job: ConversionPlan,
+    output: Path,
+    *,
+    overwrite: bool = False,
+    wait: bool = False,
+    progress: bool | None = None,
+    coordinator: Coordinator | None = None,
+    external_stop: Any = None,
+    check_model: bool = False,
 ) -> Manifest:
-    """Write a planned conversion into `output`, under the output's lock, atomically and resumably."""
-    check_output(output, job.source.input_paths(), overwrite)
-    check_space(output, partial_dir(output), space_needed(job))  # before the lock file: refused before any write
-    with OutputLock(output, wait=wait), deferred_signals() as stop:
-        check_output(output, job.source.input_paths(), overwrite)  # again, now that we hold the lock
-        return _convert_locked(job, output, stop, progress)
+    """Write a planned conversion into `output`, under the output's lock, atomically and resumably.
+
+    With a `coordinator` this process writes its share of the data files and the lowest rank takes the lock,
+    journals and commits (see `parallel`). `external_stop()` returning a signal number stops it as that
+    signal would (a launcher relays signals this way). `check_model`: check the plan against the model class
+    (`check_plan_against_model`) on a thread while converting, and commit only if it passes.
+    """
+    coord = coordinator or Coordinator()
+    with ExitStack() as stack:
+        stack.enter_context(_gc_paused())
+        error = None
+        if coord.rank == 0:
+            try:
+                check_output(output, job.source.input_paths(), overwrite)
+                check_space(output, partial_dir(output), space_needed(job))  # before the lock file: before any write
+                stack.enter_context(OutputLock(output, wait=wait))
+            except BaseException as exc:
+                error = exc
+        keys = coord.exchange(_job_key(job), error)
+        if len(set(keys)) > 1:
+            coord.failed = True  # every process sees the same keys and stops here
+            raise MismatchError(
+                "the conversion workers planned different conversions (source, plan, mesh or dtype differ); run "
+                "every worker with the same arguments on the same source"
+            )
+        stop = stack.enter_context(deferred_signals())
+        background = _Background(check_model and coord.rank == 0, job)
+        return _Conversion(job, output, coord, _stop_check(stop, external_stop, background), overwrite).run(progress)
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector while converting (the pipeline makes no cycles to speak of;
+    the imports on the background thread make many objects, and each full collection walks all of torch's:
+    0.7 CPU s of the diffusers import and model build). Restored at the end."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+class _Background:
+    """What the lowest rank does on a thread while it converts: check the plan against the model class
+    (`check_plan_against_model`: imports diffusers and builds the model on the meta device, seconds of CPU) and
+    import what the commit needs (torch's DCP, for .metadata). `poll` raises the check's error as soon as it
+    failed; `result` waits for it."""
+
+    def __init__(self, check_model: bool, job: ConversionPlan) -> None:
+        self._check = (job.plan, job.source.config, job.mesh.tp) if check_model else None
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="check model", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            if self._check is not None:
+                check_plan_against_model(*self._check)
+            import preshard.format.dcp_metadata  # noqa: F401
+        except BaseException as exc:  # noqa: BLE001 - raised by poll/result in the calling thread
+            self._error = exc
+
+    def poll(self) -> None:
+        if self._thread is not None and not self._thread.is_alive() and self._error is not None:
+            raise self._error
+
+    def result(self) -> None:
+        self.start()
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
+def _stop_check(stop: StopFlag, external: Any, background: _Background):
+    def check() -> None:
+        if stop.signal_number is None and external is not None:
+            stop.signal_number = external()
+        stop.check()
+        background.poll()
+
+    check.background = background
+    return check
 
 
 def _job_key(job: ConversionPlan) -> str:
@@ -195,103 +340,241 @@ def _job_key(job: ConversionPlan) -> str:
     return h.hexdigest()
 
 
-def _convert_locked(job: ConversionPlan, output: Path, stop: StopFlag, progress: bool | None) -> Manifest:
-    src = job.source
-    work = partial_dir(output)
-    config_bytes = src.config_bytes()
-    check_space(output, work, space_needed(job))
-    identity = src.identity()
-    resuming = open_workdir(work, _job_key(job))
-    done, writers = resume(work, job.write_order, job.files, job.mesh.tp) if resuming else ({}, {})
-    writers = writers or open_writers(work, job.mesh.tp, {})
-    reader = src.open_reader()
-    bar = Progress(job.output_bytes, "converting", progress, initial=sum(_bytes_of(done)))
-    try:
-        records = _write_tensors(job, work, reader, writers, done, stop, bar)
-        checksums = [writers[r].close() for r in range(job.mesh.tp)]
-        source_hashes = reader.file_hashes()
-    finally:
-        bar.close()
-        reader.close()
-        for w in writers.values():
-            w.abandon()
-    stop.check()
-    src.check_unchanged(identity)
-    manifest = _manifest(job, records, checksums, source_hashes, config_bytes)
-    if config_bytes is not None:
-        (work / CONFIG_NAME).write_bytes(config_bytes)
-        fsync_file(work / CONFIG_NAME)
-    write_dcp_metadata(work, manifest)
-    for name in ("journal.jsonl", "job.json"):
-        (work / name).unlink(missing_ok=True)
-    write_json_atomic(work / MANIFEST_NAME, manifest.to_dict())
-    stop.check()
-    commit(work, output)
-    return manifest
+class _Conversion:
+    """One process's part of a conversion, under the output's lock (held by the lowest rank): set up, write
+    this process's data files, and (the lowest rank) commit. Every step ends in an exchange with the other
+    processes (`Coordinator.exchange`, immediate for a single process), which carries any failure."""
+
+    def __init__(self, job: ConversionPlan, output: Path, coord: Coordinator, check_stop, overwrite: bool) -> None:
+        self.job, self.output, self.coord, self.check_stop, self.overwrite = job, output, coord, check_stop, overwrite
+        self.work = partial_dir(output)
+        self.mine = {data_file_name(r) for r in owned_files(job.mesh.tp, coord.world, coord.rank)}
+        self.writers: dict[str, RecordFileWriter] = {}
+        self.done: dict[str, list[ChunkRecord]] = {}
+        self.sums: dict[str, dict[int, str]] = {}  # the lowest rank: every chunk checksum written, from the points
+        self.reader: SourceRows | None = None
+        self.journal: Journal | None = None
+        self.identity = self.config_bytes = None
+
+    def run(self, progress: bool | None) -> Manifest:
+        try:
+            self._setup()
+            gathered = self._write(progress)
+        finally:
+            if self.journal is not None:
+                self.journal.close()
+            if self.reader is not None:
+                self.reader.close()
+            for w in self.writers.values():
+                w.abandon()
+        return self._commit(gathered)
+
+    def _setup(self) -> None:
+        """The lowest rank prepares the working folder (re-checking what an earlier run left, when resuming);
+        the others then adopt the records of their files that it kept."""
+        job, tp, src = self.job, self.job.mesh.tp, self.job.source
+        error = shared = None
+        if self.coord.rank == 0:
+            try:
+                check_output(self.output, src.input_paths(), self.overwrite)  # again, now that we hold the lock
+                self.config_bytes = src.config_bytes()
+                check_space(self.output, self.work, space_needed(job))
+                self.identity = src.identity()
+                resuming = open_workdir(self.work, _job_key(job))
+                done, opened = resume(self.work, job.write_order, job.files, tp) if resuming else ({}, {})
+                opened = opened or open_writers(self.work, tp, {})
+                for r, w in opened.items():
+                    if data_file_name(r) in self.mine:
+                        self.writers[data_file_name(r)] = w
+                    else:
+                        w.abandon()
+                shared = {name: [c.xxh3_64 for c in chunks] for name, chunks in done.items()}
+            except BaseException as exc:
+                error = exc
+        shared = self.coord.exchange(shared, error)[0]
+        self.done = {
+            name: [replace(c, xxh3_64=s) for c, s in zip(job.files.chunks[name], sums)] for name, sums in shared.items()
+        }
+        error = None
+        try:
+            if self.coord.rank != 0:
+                self.writers = _adopt(self.work, self.done, self.mine)
+            for w in self.writers.values():
+                w.resize_stage(stage_bytes(len(self.writers)))
+            self.reader = src.open_reader()
+            if self.coord.rank == 0:
+                self.journal = Journal(self.work, keep_lines=len(self.done))
+        except BaseException as exc:
+            error = exc
+        self.coord.exchange(None, error)
+
+    def _write(self, progress: bool | None) -> list:
+        """Every process writes its files through the pipeline; returns every process's file checksums and
+        source hashes."""
+        job, done, coord = self.job, self.done, self.coord
+        hashed = _hashed_here(job, self.reader, coord)
+        points = _sync_points(job, done)
+
+        def exchange(point: int, checksums: dict, failure: BaseException | None) -> list:
+            return coord.exchange(checksums, failure)
+
+        def claim(point: int, gathered: list) -> None:
+            for part in gathered:
+                for name, by_position in part.items():
+                    self.sums.setdefault(name, {}).update(by_position)
+            if self.journal is not None:
+                low = points[point - 1] + 1 if point else 0
+                names = [n for n in job.write_order[low : points[point] + 1] if n not in done]
+                chunks = {n: [self.sums[n][i] for i in range(len(job.files.chunks[n]))] for n in names}
+                self.journal.append([{"tensor": n, "chunks": chunks[n]} for n in names])
+
+        mine = [c for chunks in job.files.chunks.values() for c in chunks if c.file in self.mine]
+        kept = sum(c.framing.length for chunks in done.values() for c in chunks if c.file in self.mine)
+        shown = progress if coord.rank == 0 else False  # the lowest rank shows its own share
+        bar = Progress(sum(c.framing.length for c in mine), "converting", shown, initial=kept)
+        error = payload = None
+        try:
+            pipeline = WritePipeline(
+                start_band=self.reader.start_band,
+                finish_band=self.reader.finish_band,
+                writers=self.writers,
+                work=_tasks(job, self.reader, done, self.mine, hashed),
+                points=points,
+                exchange=exchange,
+                journal=claim,
+                on_tensor=_tensor_written,
+                on_bytes=bar.update,
+                check_stop=self.check_stop,
+                band_bytes=job.band_bytes,
+            )
+            self.check_stop.background.start()
+            pipeline.run()
+            del pipeline  # its buffers, before the commit
+            checksums = {name: w.close() for name, w in sorted(self.writers.items())}
+            payload = (checksums, self.reader.file_hashes(hashed))
+        except BaseException as exc:
+            if coord.failed:  # the failure has been exchanged already (by the pipeline, or a peer's)
+                raise
+            error = exc
+        finally:
+            bar.close()
+        return coord.exchange(payload, error)
+
+    def _commit(self, gathered: list) -> Manifest:
+        """The lowest rank writes .metadata, config.json and the manifest, and commits; the others wait for it."""
+        job, work = self.job, self.work
+        error = manifest = None
+        if self.coord.rank == 0:
+            try:
+                self.check_stop.background.result()
+                self.check_stop()
+                job.source.check_unchanged(self.identity)
+                checksums = {k: v for part, _ in gathered for k, v in part.items()}
+                source_hashes = {k: v for _, part in gathered for k, v in part.items()}
+                records = dict(self.done)
+                for name, by_position in self.sums.items():
+                    chunks = job.files.chunks[name]
+                    records[name] = [replace(c, xxh3_64=by_position[i]) for i, c in enumerate(chunks)]
+                files = [checksums[data_file_name(r)] for r in range(job.mesh.tp)]
+                manifest = _manifest(job, records, files, source_hashes, self.config_bytes)
+                if self.config_bytes is not None:
+                    (work / CONFIG_NAME).write_bytes(self.config_bytes)
+                    fsync_file(work / CONFIG_NAME)
+                from preshard.format.dcp_metadata import write_dcp_metadata
+
+                write_dcp_metadata(work, manifest)
+                for name in ("journal.jsonl", "job.json"):
+                    (work / name).unlink(missing_ok=True)
+                write_json_atomic(work / MANIFEST_NAME, manifest.to_dict())
+                self.check_stop()
+                commit(work, self.output)
+            except BaseException as exc:
+                error = exc
+        self.coord.exchange(None, error)
+        if manifest is None:
+            from preshard.format.manifest import read_manifest
+
+            manifest = read_manifest(self.output)
+        return manifest
 
 
-def _bytes_of(done: dict[str, list[ChunkRecord]]):
+def _adopt(work: Path, done: dict[str, list[ChunkRecord]], mine: set[str]) -> dict[str, RecordFileWriter]:
+    """Writers for this process's files, each adopting (re-checking) the records the lowest rank kept."""
+    kept: dict[str, list[ChunkRecord]] = {name: [] for name in mine}
     for chunks in done.values():
         for c in chunks:
-            yield c.framing.length
-
-
-def _write_tensors(
-    job: ConversionPlan,
-    work: Path,
-    reader: SourceRows,
-    writers: dict[int, RecordFileWriter],
-    done: dict[str, list[ChunkRecord]],
-    stop: StopFlag,
-    bar: Progress,
-) -> dict[str, list[ChunkRecord]]:
-    records = dict(done)
-    journal = Journal(work, keep_lines=len(done))
-    by_file = {data_file_name(r): writers[r] for r in writers}
-    pool = BufferPool()
-    pending: list[dict] = []
-    unsynced = 0
+            if c.file in mine:
+                kept[c.file].append(c)
+    writers: dict[str, RecordFileWriter] = {}
     try:
-        for name in job.write_order:
-            if name in records:
-                continue
+        for name in sorted(mine):
+            writers[name] = RecordFileWriter(work / name)
+            writers[name].keep(sorted(kept[name], key=lambda c: c.offset))
+    except BaseException:
+        for w in writers.values():
+            w.abandon()
+        raise
+    return writers
+
+
+def _hashed_here(job: ConversionPlan, reader: SourceRows, coord: Coordinator) -> set[str]:
+    """The source files this process hashes: round robin over the processes in read order. A file part of
+    which is done already is hashed separately at the end (the in-order read skips that part)."""
+    files = list(dict.fromkeys(reader.file_of(name) for name in job.write_order))
+    return {f for i, f in enumerate(files) if i % coord.world == coord.rank}
+
+
+def _tasks(job: ConversionPlan, reader: SourceRows, done: dict, mine: set[str], hashed: set[str]) -> list[TensorWork]:
+    """The tensors this process reads, in write order: those with chunks in its files, and, read whole for their
+    hash, the rest of the source files it hashes (unless part of the file is done, which breaks the order)."""
+    gaps = {reader.file_of(name) for name in done}
+    tasks = []
+    for index, name in enumerate(job.write_order):
+        if name in done:
+            continue
+        planned = job.files.chunks[name]
+        own = [c for c in planned if c.file in mine]
+        whole = reader.file_of(name) in hashed - gaps
+        if own or whole:
             layout = job.layouts[name]
-            planned = job.files.chunks[name]
-            written: dict[int, ChunkRecord] = {}
-
-            def read_rows(start: int, count: int, out: torch.Tensor, name=name) -> None:
-                reader.read_rows(name, start, count, out)
-
-            for pieces in tensor_pieces(layout, planned, read_rows, pool):
-                for piece in pieces:
-                    writer = by_file[piece.chunk.file]
-                    if piece.first:
-                        writer.begin(piece.chunk)
-                    writer.write(byte_view(piece.data))
-                    if piece.last:
-                        written[id(piece.chunk)] = writer.end()
-                        bar.update(piece.chunk.framing.length)
-                stop.check()
-            records[name] = [written[id(c)] for c in planned]
-            pending.append({"tensor": name, "chunks": [c.xxh3_64 for c in records[name]]})
-            unsynced += layout.nbytes
-            if unsynced >= max(SYNC_MIN_BYTES, job.output_bytes // SYNC_ROUNDS):
-                _sync(writers, journal, pending)
-                unsynced = 0
-            if _after_tensor_hook is not None:
-                _after_tensor_hook(name)
-        _sync(writers, journal, pending)
-    finally:
-        journal.close()
-    return records
+            bands = slicing.band_plan(layout, own, whole=whole, band_bytes=job.band_bytes)
+            tasks.append(TensorWork(index, layout, planned, own, bands))
+    return tasks
 
 
-def _sync(writers: dict[int, RecordFileWriter], journal: Journal, pending: list[dict]) -> None:
-    """Make the written records durable, then claim them in the journal."""
-    for writer in writers.values():
-        writer.sync()
-    journal.append(pending)
-    pending.clear()
+def _sync_points(job: ConversionPlan, done: dict) -> list[int]:
+    """Write-order positions after which every process makes its files durable and the journal claims the
+    tensors up to there: about every 1/SYNC_ROUNDS of the job, and after its last tensor."""
+    threshold = max(SYNC_MIN_BYTES, job.output_bytes // SYNC_ROUNDS)
+    points, unsynced, last = [], 0, None
+    for index, name in enumerate(job.write_order):
+        if name in done:
+            continue
+        unsynced += job.layouts[name].nbytes
+        last = index
+        if unsynced >= threshold:
+            points.append(index)
+            unsynced = 0
+    if last is not None and (not points or points[-1] != last):
+        points.append(last)
+    return points
+
+
+def _tensor_written(name: str) -> None:
+    if _after_tensor_hook is not None:
+        _after_tensor_hook(name)
+
+
+def _now() -> str:
+    """UTC now, or SOURCE_DATE_EPOCH (the reproducible-builds convention) so that two conversions of the same
+    source are byte-identical."""
+    epoch = os.environ.get("SOURCE_DATE_EPOCH")
+    when = (
+        datetime.datetime.fromtimestamp(int(epoch), datetime.timezone.utc)
+        if epoch and epoch.isdigit()
+        else datetime.datetime.now(datetime.timezone.utc)
+    )
+    return when.isoformat(timespec="seconds")
 
 
 def _manifest(
@@ -320,7 +603,7 @@ def _manifest(
         dtype=job.cast,
         derived_from=getattr(job.source, "derived_from", None),
         preshard_version=__version__,
-        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        created=_now(),
     ).sealed()
 
 

@@ -1,16 +1,29 @@
 """Writing one data file: torch.save records at the offsets the layout decided, hashed as they go out.
 
 Each record is the framing header, the chunk's raw bytes (streamed in pieces), then the framing trailer,
-so torch's own DCP reader can read it; no `torch.save` runs and nothing is re-parsed. The writer hashes
-every byte it writes (the file's xxh3_128) and each chunk's data (its xxh3_64), so the checksums in the
-manifest describe what this process wrote, never what a later read of the disk happens to find.
+so torch's own DCP reader can read it; no `torch.save` runs and nothing is re-parsed.
+
+Bytes go through a page-aligned staging buffer and out with large positional writes, with `O_DIRECT`
+where the file system takes it: the converter never reads its output back, and putting it through the
+page cache costs more CPU than everything else the converter does (allocating and dirtying cache pages,
+then writing them back; measured on a virtual machine: 4.3 GB in 5.5 s and 8.5 CPU s buffered, 2.3 s and
+0.8 CPU s direct). A file system that refuses `O_DIRECT` (at open or at the first write) gets the same
+stage written through the page cache. Pieces may be strided (a rank's columns of a band of rows): they
+are gathered into the stage row by row, which is as fast as a plain copy and needs no other buffer.
+
+The writer hashes what it stages, the very bytes it writes (the file's xxh3_128 and each chunk's
+xxh3_64), so the checksums in the manifest describe what this process wrote, never what a later read of
+the disk happens to find.
 """
 
 from __future__ import annotations
 
+import errno
+import mmap
 import os
 from pathlib import Path
 
+import torch
 import xxhash
 
 from preshard.errors import CorruptCheckpointError
@@ -19,18 +32,66 @@ from preshard.format.layout import ChunkRecord
 from preshard.format.manifest import file_digest
 
 HASH_BLOCK = 8 << 20
+ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and memory: every block size in use is a divisor
+STAGE_BYTES = 8 << 20  # per writer; `stage_bytes` lowers it when many files are written at once
+# PRESHARD_DIRECT_IO=0 writes through the page cache (what a file system without O_DIRECT gets anyway).
+DIRECT_IO = os.environ.get("PRESHARD_DIRECT_IO", "1") != "0"
+
+
+def stage_bytes(files: int, total: int = 64 << 20) -> int:
+    """Staging per writer when `files` are written at once: `total` shared, 1 to 8 MiB each, ALIGN multiple."""
+    each = max(1 << 20, min(STAGE_BYTES, total // max(1, files)))
+    return each - each % ALIGN
 
 
 class RecordFileWriter:
-    """Appends the records of one data file, in file order."""
+    """Appends the records of one data file, in file order (one thread at a time)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, direct: bool | None = None, stage: int = STAGE_BYTES) -> None:
         self.path = path
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        self.direct_fd = -1
+        if DIRECT_IO if direct is None else direct:
+            try:
+                self.direct_fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | getattr(os, "O_DIRECT", 0))
+            except OSError:
+                self.direct_fd = -1
+            if not hasattr(os, "O_DIRECT") and self.direct_fd >= 0:
+                os.close(self.direct_fd)
+                self.direct_fd = -1
         self.digest = file_digest()
-        self.position = 0
+        self.position = 0  # the file offset of the next byte
+        self._capacity = max(ALIGN, stage - stage % ALIGN)
+        self._map: mmap.mmap | None = None
+        self._stage: torch.Tensor | None = None  # uint8 view of _map
+        self._view: memoryview | None = None
+        self._base = 0  # the file offset of _stage[0] (a multiple of ALIGN)
+        self._fill = 0  # bytes staged
         self._chunk: ChunkRecord | None = None
         self._chunk_digest = None
+        self._in_data = False  # whether staged bytes belong to the current chunk's data
+
+    @property
+    def direct(self) -> bool:
+        return self.direct_fd >= 0
+
+    def resize_stage(self, capacity: int) -> None:
+        """Use a stage of `capacity` bytes (rounded down to ALIGN), keeping what is staged."""
+        capacity = max(ALIGN, capacity - capacity % ALIGN, self._fill + ALIGN - self._fill % ALIGN)
+        if capacity == self._capacity:
+            return
+        staged = bytes(self._view[: self._fill]) if self._map is not None else b""
+        self._release_stage()
+        self._capacity = capacity
+        if staged:
+            self._ensure_stage()
+            self._view[: len(staged)] = staged
+
+    def _ensure_stage(self) -> None:
+        if self._map is None:
+            self._map = mmap.mmap(-1, self._capacity)  # page-aligned, as O_DIRECT needs
+            self._view = memoryview(self._map)
+            self._stage = torch.frombuffer(self._map, dtype=torch.uint8)
 
     def keep(self, records: list[ChunkRecord]) -> None:
         """Adopt a prefix written by an earlier run: re-check every kept record, framing and data, while hashing.
@@ -66,49 +127,152 @@ class RecordFileWriter:
             self.digest.update(trailer)
             self.position = record.end
         os.ftruncate(self.fd, self.position)
+        # The stage starts at the block holding the next byte: the bytes of that block already in the file
+        # come first, so that every write out of the stage covers whole blocks.
+        self._base = self.position - self.position % ALIGN
+        self._fill = self.position - self._base
+        if self._fill:
+            self._ensure_stage()
+            pread_into(self.fd, self._base, [self._view[: self._fill]], self.path.name)
 
     def _write(self, data) -> None:
-        view = memoryview(data).cast("B")
+        """Stage `data` (bytes, or a uint8 tensor: 1-D, or 2-D with contiguous rows), hashing it, and write out
+        every full stage."""
+        self._ensure_stage()
+        if isinstance(data, torch.Tensor):
+            self._put_tensor(data)
+        else:
+            self._put_bytes(memoryview(data).cast("B"))
+
+    def _put_bytes(self, view: memoryview) -> None:
         while len(view):
-            n = os.pwrite(self.fd, view, self.position)
-            self.digest.update(view[:n])
-            self.position += n
+            n = min(len(view), self._capacity - self._fill)
+            staged = self._view[self._fill : self._fill + n]
+            staged[:] = view[:n]
+            self._staged(staged)
             view = view[n:]
+
+    def _put_tensor(self, data: torch.Tensor) -> None:
+        if data.dim() == 1 or data.is_contiguous():
+            data = data.reshape(1, -1)
+        rows, row_bytes = data.shape
+        if not rows or not row_bytes:
+            return
+        r = within = 0  # the next row, and how much of it is already staged
+        while r < rows:
+            space = self._capacity - self._fill
+            if not within and space >= row_bytes:  # whole rows: one strided copy
+                k = min(rows - r, space // row_bytes)
+                target = self._stage[self._fill : self._fill + k * row_bytes]
+                target.view(k, row_bytes).copy_(data[r : r + k])
+                r += k
+            else:  # a row larger than what is left of the stage
+                k = min(row_bytes - within, space)
+                target = self._stage[self._fill : self._fill + k]
+                target.copy_(data[r, within : within + k])
+                within += k
+                if within == row_bytes:
+                    r, within = r + 1, 0
+            self._staged(self._view[self._fill : self._fill + target.numel()])
+
+    def _staged(self, staged: memoryview) -> None:
+        """`staged` was just copied into the stage at _fill: hash it, and write the stage out once full."""
+        self.digest.update(staged)
+        if self._in_data:
+            self._chunk_digest.update(staged)
+        self._fill += len(staged)
+        self.position += len(staged)
+        if self._fill == self._capacity:
+            self._flush(self._capacity)
+            self._base += self._capacity
+            self._fill = 0
+
+    def _flush(self, length: int) -> None:
+        """Write the first `length` bytes of the stage (a multiple of ALIGN) at _base."""
+        view = self._view[:length]
+        offset = self._base
+        while len(view):
+            fd = self.direct_fd if self.direct_fd >= 0 else self.fd
+            try:
+                n = os.pwrite(fd, view, offset)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL or self.direct_fd < 0:
+                    raise
+                os.close(self.direct_fd)  # this file system takes O_DIRECT at open but not at write
+                self.direct_fd = -1
+                continue
+            view, offset = view[n:], offset + n
+
+    def _flush_all(self) -> None:
+        """Write everything staged; the partial last block is padded (the file is cut to size at close) and
+        stays staged, so that the next write out of the stage covers it whole again."""
+        if not self._fill:
+            return
+        tail = self._fill % ALIGN
+        length = self._fill + (ALIGN - tail if tail else 0)
+        if tail:
+            self._view[self._fill : length] = bytes(length - self._fill)
+        self._flush(length)
+        keep_from = self._fill - tail
+        if tail:
+            self._view[:tail] = self._view[keep_from : self._fill]
+        self._base += keep_from
+        self._fill = tail
 
     def begin(self, chunk: ChunkRecord) -> None:
         if chunk.offset != self.position:
             raise RuntimeError(
                 f"{self.path.name}: record of {chunk.tensor} planned at {chunk.offset}, file at {self.position}"
             )
-        self._chunk, self._chunk_digest = chunk, xxhash.xxh3_64()
+        self._chunk, self._chunk_digest, self._in_data = chunk, xxhash.xxh3_64(), False
         self._write(chunk.framing.header)
+        self._in_data = True
 
     def write(self, data) -> None:
-        self._chunk_digest.update(data)
+        """Append a piece of the current chunk's raw bytes (bytes, or a uint8 tensor as `_write` takes)."""
         self._write(data)
 
     def end(self) -> ChunkRecord:
         """Finish the current record; returns its chunk with the data checksum filled in."""
         chunk, digest = self._chunk, self._chunk_digest
+        self._in_data = False
         self._write(chunk.framing.trailer)
         if self.position != chunk.end:
             raise RuntimeError(f"{self.path.name}: record of {chunk.tensor} ended at {self.position}, not {chunk.end}")
-        self._chunk = None
+        self._chunk = self._chunk_digest = None
         return ChunkRecord(
             chunk.tensor, chunk.owner, chunk.box, chunk.file, chunk.offset, chunk.framing, digest.hexdigest()
         )
 
     def sync(self) -> None:
+        """Make everything written so far durable."""
+        self._flush_all()
         os.fsync(self.fd)
 
     def close(self) -> str:
-        """fsync and close; returns the file's xxh3_128."""
+        """Write out, cut to size, fsync and close; returns the file's xxh3_128."""
+        self._flush_all()
+        os.ftruncate(self.fd, self.position)
         os.fsync(self.fd)
-        os.close(self.fd)
-        self.fd = -1
+        self.abandon()
         return self.digest.hexdigest()
 
     def abandon(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        """Close without writing out what is staged (after a failure, or for a file another process writes)."""
+        for name in ("direct_fd", "fd"):
+            fd = getattr(self, name)
+            if fd >= 0:
+                os.close(fd)
+                setattr(self, name, -1)
+        self._release_stage()
+
+    def _release_stage(self) -> None:
+        if self._map is not None:
+            self._stage = None
+            self._view.release()
+            self._view = None
+            try:
+                self._map.close()
+            except BufferError:  # a tensor view still exported: the mapping goes with the last reference
+                pass
+            self._map = None

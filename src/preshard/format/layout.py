@@ -75,6 +75,10 @@ class TensorLayout:
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
+    def shape_bytes(self, source: bool = False) -> int:
+        """Bytes of the whole tensor as stored (or, with `source`, in its source dtype)."""
+        return math.prod(self.shape) * (self.source_dtype if source else self.dtype).itemsize
+
     def split_sizes(self) -> list[tuple[str, int]]:
         """What must divide by the TP degree: (description, size) of each block of the split dimension."""
         if self.shard_dim is None:

@@ -1,17 +1,24 @@
 """Cutting one source tensor into its chunks, band by band, in bounded memory.
 
 A tensor is read in bands of whole rows (dim 0), in file order, so every source byte is read once, front
-to back. Each band is cut into the pieces of the chunks it intersects: a row-split chunk (colwise, packed
-colwise, replicated) takes a run of the band's rows, which is already contiguous (no copy unless a cast
-is needed); a column-split chunk (rowwise and its variants) takes a strided slice of every row, so each
-block of the band goes through one cache-friendly pass `view(rows, T, w) -> (T, rows, w)` into a staging
-buffer, after which each rank's piece is contiguous. Memory is one band plus its staging copy, whatever
-the tensor's size, and the buffers are reused from band to band.
+to back. `band_plan` says which bands to read for a set of chunks (only the rows those chunks need, or
+every row when the whole tensor must be read, e.g. to hash its file) and which chunks each band feeds;
+`cut_band` cuts a band into byte views, one per chunk it intersects, without copying: a row-split chunk
+(colwise, packed colwise, replicated) takes a run of the band's rows, which is contiguous; a column-split
+chunk (rowwise and its variants) takes a strided view of every row, which the writer gathers into its
+staging buffer at the speed of a plain copy. Memory is the band (plus a cast copy when the stored dtype
+differs), whatever the tensor's size; buffers are reused from band to band.
+
+Pieces reach each data file in that file's record order: a rank's chunks of a tensor are ordered by
+their offsets, and so are the records. For a column split with several packed blocks that takes more than
+one band, every band would feed every block, so the bands are read once per block (block-major); the
+re-read is of rows just read, and the source hash is unaffected (`SourceReader` skips re-reads).
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -24,7 +31,11 @@ BAND_BYTES = 32 << 20
 
 @dataclass(frozen=True)
 class Piece:
-    """A run of a chunk's bytes: `data` (contiguous, in the stored dtype) follows the chunk's earlier pieces."""
+    """A run of a chunk's bytes, following the chunk's earlier pieces.
+
+    From `cut_band`: a uint8 view (1-D, or 2-D with contiguous rows, to be read row after row). From
+    `tensor_pieces`: a contiguous tensor in the stored dtype.
+    """
 
     chunk: ChunkRecord
     data: torch.Tensor
@@ -32,23 +43,42 @@ class Piece:
     last: bool
 
 
-class BufferPool:
-    """Reusable flat byte buffers, so that first-touching fresh memory does not cost more than the copies."""
+@dataclass(frozen=True)
+class Band:
+    """Rows `[start, start + count)` of a tensor, and the chunks cut from them, in canonical (= file) order."""
 
-    def __init__(self) -> None:
+    start: int
+    count: int
+    chunks: tuple[ChunkRecord, ...]
+
+
+class BufferPool:
+    """Reusable flat byte buffers, so that first-touching fresh memory does not cost more than the copies.
+
+    Thread-safe: the converter takes buffers on its reader and slicing threads and gives them back from its
+    writers. `keep` free buffers (the largest) are kept; new ones get at least `minimum` bytes so that they
+    fit any later band.
+    """
+
+    def __init__(self, keep: int = 3, minimum: int = 0) -> None:
         self._free: list[torch.Tensor] = []
+        self._keep = keep
+        self._minimum = minimum
+        self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> torch.Tensor:
-        for i, buf in enumerate(self._free):
-            if buf.numel() >= nbytes:
-                return self._free.pop(i)[:nbytes]
-        return torch.empty(max(nbytes, 1), dtype=torch.uint8)[:nbytes]
+        with self._lock:
+            for i, buf in enumerate(self._free):
+                if buf.numel() >= nbytes:
+                    return self._free.pop(i)[:nbytes]
+        return torch.empty(max(nbytes, self._minimum, 1), dtype=torch.uint8)[:nbytes]
 
     def give(self, buf: torch.Tensor) -> None:
         base = buf._base if buf._base is not None else buf
-        self._free.append(base)
-        self._free.sort(key=lambda b: b.numel())
-        del self._free[:-3]  # keep the few largest
+        with self._lock:
+            self._free.append(base)
+            self._free.sort(key=lambda b: b.numel())
+            del self._free[: -self._keep]  # keep the few largest
 
 
 def _typed(buf: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -63,6 +93,99 @@ def band_rows(layout: TensorLayout, band_bytes: int = BAND_BYTES) -> int:
     return max(1, band_bytes // max(1, row))
 
 
+def source_row_bytes(layout: TensorLayout) -> int:
+    """Bytes of one source row (the whole tensor for a 0-dim one)."""
+    return math.prod(layout.shape[1:]) * layout.source_dtype.itemsize
+
+
+def _extent(layout: TensorLayout, chunk: ChunkRecord) -> tuple[int, int]:
+    """The rows a chunk needs: its own rows for a row split or a replica, every row for a column split."""
+    if not layout.shape:
+        return 0, 1
+    if layout.shard_dim == 1:
+        return 0, layout.shape[0]
+    return chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0]
+
+
+def band_plan(
+    layout: TensorLayout, chunks: list[ChunkRecord], *, whole: bool = False, band_bytes: int = BAND_BYTES
+) -> list[Band]:
+    """The bands to read to produce `chunks` (some or all of a tensor's chunks, canonical order), in order.
+
+    With `whole`, every row of the tensor is read (in file order, for hashing the source file), also rows
+    no chunk needs: those bands feed fewer chunks, or none.
+    """
+    chunks = list(chunks)
+    empty = [c for c in chunks if _extent(layout, c)[0] == _extent(layout, c)[1]]
+    bands = [Band(0, 0, tuple(empty))] if empty else []  # no rows: the record is framing alone
+    chunks = [c for c in chunks if c not in empty]
+    if not layout.shape:
+        return bands + ([Band(0, 1, tuple(chunks))] if chunks or whole else [])
+    rows, per = layout.shape[0], band_rows(layout, band_bytes)
+    if layout.shard_dim == 1:
+        passes = [chunks]
+        if rows > per and len(layout.blocks or ()) > 1:  # block-major, so each file gets its records in order
+            edges = [sum(layout.blocks[:i]) for i in range(len(layout.blocks) + 1)]
+            passes = [[c for c in chunks if lo <= c.offsets[1] < hi] for lo, hi in zip(edges, edges[1:])]
+            passes = [p for p in passes if p] or [[]]
+        if not chunks and not whole:
+            return bands
+        for group in passes:
+            bands += [Band(s, min(per, rows - s), tuple(group)) for s in range(0, rows, per)]
+        return bands
+    spans = [(0, rows)] if whole else sorted(_extent(layout, c) for c in chunks)
+    merged: list[list[int]] = []
+    for lo, hi in spans:
+        if merged and lo <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    for lo, hi in merged:
+        for s in range(lo, hi, per):
+            count = min(per, hi - s)
+            fed = tuple(c for c in chunks if _extent(layout, c)[0] < s + count and _extent(layout, c)[1] > s)
+            bands.append(Band(s, count, fed))
+    return bands
+
+
+def cut_band(layout: TensorLayout, band: Band, data: torch.Tensor) -> list[Piece]:
+    """Cut a band into its chunks' pieces: byte views of `data` (the band's rows, flat uint8, stored dtype)."""
+    pieces = []
+    item = layout.dtype.itemsize
+    row_bytes = math.prod(layout.shape[1:]) * item if layout.shape else data.numel()
+    end = band.start + band.count
+    for c in band.chunks:
+        lo, hi = _extent(layout, c)
+        if lo == hi:
+            pieces.append(Piece(c, data[:0], True, True))
+            continue
+        first, last = band.start <= lo, end >= hi
+        if not layout.shape:
+            view = data
+        elif layout.shard_dim == 1:
+            col = c.offsets[1] * item
+            view = data.view(band.count, row_bytes)[:, col : col + c.sizes[1] * item]
+        else:
+            a, b = max(lo, band.start) - band.start, min(hi, end) - band.start
+            view = data[a * row_bytes : b * row_bytes]
+        pieces.append(Piece(c, view, first, last))
+    return pieces
+
+
+def cast_band(
+    layout: TensorLayout, raw: torch.Tensor, count: int, pool: BufferPool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The band's bytes in the stored dtype: `raw` itself, or a cast copy (returned second, from `pool`)."""
+    if layout.dtype == layout.source_dtype:
+        return raw, None
+    shape = (count, *layout.shape[1:]) if layout.shape else ()
+    if raw.storage_offset() % layout.source_dtype.itemsize:  # a source tensor not aligned to its dtype
+        raw = raw.clone()
+    out = pool.take(math.prod(shape) * layout.dtype.itemsize)
+    _typed(out, layout.dtype, shape).copy_(_typed(raw, layout.source_dtype, shape))
+    return out, out
+
+
 def tensor_pieces(
     layout: TensorLayout,
     chunks: list[ChunkRecord],
@@ -70,74 +193,38 @@ def tensor_pieces(
     pool: BufferPool,
     band_bytes: int = BAND_BYTES,
 ) -> Iterator[list[Piece]]:
-    """Yield, band after band, the pieces of `chunks` (this tensor's chunks, canonical order).
+    """Yield, band after band, the pieces of `chunks` (this tensor's chunks, canonical order), each contiguous
+    in the stored dtype (for readers that compare or keep them; the converter streams `cut_band`'s views).
 
     `read_rows(start, count, out)` fills the flat uint8 `out` with source rows `[start, start + count)` (for a
     0-dim tensor: its one element). Each list is valid only until the next is requested (buffers are reused).
     """
-    shape, scalar = layout.shape, not layout.shape
-    rows_total = 1 if scalar else shape[0]
-    row_elems = math.prod(shape[1:]) if shape else 1
-    by_rows = layout.shard_dim != 1
-    extent = {
-        id(c): (c.offsets[0], c.offsets[0] + c.sizes[0]) if by_rows and not scalar else (0, rows_total) for c in chunks
-    }
-    empty = [c for c in chunks if extent[id(c)][0] == extent[id(c)][1]]
-    if empty:  # no rows (a zero-size tensor): the record is framing alone
-        yield [Piece(c, torch.empty(c.sizes, dtype=layout.dtype), True, True) for c in empty]
-    rows_per_band = band_rows(layout, band_bytes)
-    for start in range(0, rows_total, rows_per_band):
-        count = min(rows_per_band, rows_total - start)
-        raw = pool.take(count * row_elems * layout.source_dtype.itemsize)
-        read_rows(start, count, raw)
-        band = _typed(raw, layout.source_dtype, () if scalar else (count, *shape[1:]))
-        staging: list[torch.Tensor] = []
-        if by_rows:
-            band = _cast(band, layout.dtype, pool, staging)
-            cut = []
-            for c in chunks:
-                lo, hi = max(extent[id(c)][0], start), min(extent[id(c)][1], start + count)
-                if hi > lo:
-                    cut.append((c, band if scalar else band[lo - start : hi - start]))
-        else:
-            cut = _column_pieces(layout, chunks, band, pool, staging)
-        pieces = []
-        for c, data in cut:
-            first_row, end_row = extent[id(c)]
-            pieces.append(Piece(c, data, max(first_row, start) == first_row, min(end_row, start + count) == end_row))
+    row = source_row_bytes(layout) if layout.shape else layout.source_dtype.itemsize
+    for band in band_plan(layout, chunks, band_bytes=band_bytes):
+        count = band.count if layout.shape else 1
+        raw = pool.take(count * row if band.count else 0)
+        if band.count:
+            read_rows(band.start, band.count, raw)
+        data, cast = cast_band(layout, raw, count, pool)
+        staging = pool.take(data.numel()) if layout.shard_dim == 1 else None
+        pieces, at = [], 0
+        for p in cut_band(layout, band, data):
+            view = p.data
+            if staging is not None and view.numel():  # gather the strided columns, one after another
+                target = staging[at : at + view.numel()]
+                target.view(view.shape).copy_(view)
+                view, at = target, at + view.numel()
+            shape = _piece_shape(layout, p.chunk, view.numel())
+            pieces.append(Piece(p.chunk, _typed(view, layout.dtype, shape), p.first, p.last))
         yield pieces
-        pool.give(raw)
-        for buf in staging:
-            pool.give(buf)
+        for buf in (raw, cast, staging):
+            if buf is not None:
+                pool.give(buf)
 
 
-def _cast(band: torch.Tensor, dtype: torch.dtype, pool: BufferPool, staging: list[torch.Tensor]) -> torch.Tensor:
-    if band.dtype == dtype:
-        return band
-    buf = pool.take(band.numel() * dtype.itemsize)
-    staging.append(buf)
-    out = _typed(buf, dtype, tuple(band.shape))
-    out.copy_(band)
-    return out
-
-
-def _column_pieces(
-    layout: TensorLayout, chunks: list[ChunkRecord], band: torch.Tensor, pool: BufferPool, staging: list[torch.Tensor]
-) -> list[tuple[ChunkRecord, torch.Tensor]]:
-    """Each block's columns transposed rank-major in one pass; rank r's piece of a block is then contiguous."""
-    rows = band.shape[0]
-    tp = len(chunks) // len(layout.blocks or (1,))
-    by_start = {c.offsets[1]: c for c in chunks}
-    pieces = []
-    col = 0
-    for block in layout.blocks or ():
-        width = block // tp
-        buf = pool.take(rows * block * layout.dtype.itemsize)
-        staging.append(buf)
-        out = _typed(buf, layout.dtype, (tp, rows, width))
-        out.copy_(band[:, col : col + block].unflatten(1, (tp, width)).permute(1, 0, 2))
-        for r in range(tp):
-            pieces.append((by_start[col + r * width], out[r]))
-        col += block
-    pieces.sort(key=lambda p: p[0].offsets)
-    return pieces
+def _piece_shape(layout: TensorLayout, chunk: ChunkRecord, nbytes: int) -> tuple[int, ...]:
+    if not layout.shape:
+        return ()
+    inner = list(chunk.sizes[1:])
+    per_row = math.prod(inner) * layout.dtype.itemsize
+    return (nbytes // per_row if per_row else chunk.sizes[0], *inner)

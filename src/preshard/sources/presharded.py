@@ -228,6 +228,7 @@ class PreshardedRows:
         self._states: dict[tuple[str, int], _ChunkRead] = {}
         self._lock = threading.Lock()
         self._local = threading.local()
+        self._source_file = {name: h.path.name for h in source.source_headers() for name in h.tensors}
 
     # -- the ConversionSource reader protocol
 
@@ -248,7 +249,23 @@ class PreshardedRows:
         self._read_stored(record, start, count, stored)
         self._uncast(record, stored, out)
 
-    def file_hashes(self) -> dict[str, str]:
+    def start_band(self, name: str, start: int, count: int, buffer: torch.Tensor) -> torch.Tensor:
+        """Rows `[start, start + count)` of `name` into the flat uint8 `buffer` (read at once: the converter's
+        pipeline already runs this on its reader thread); returns the view holding them."""
+        layout = self.manifest.tensors[name].layout
+        row = math.prod(layout.shape[1:]) * layout.source_dtype.itemsize
+        view = buffer[: count * row if layout.shape else layout.source_dtype.itemsize]
+        self.read_rows(name, start, count, view)
+        return view
+
+    def finish_band(self, band: torch.Tensor) -> torch.Tensor:
+        return band
+
+    def file_of(self, name: str) -> str:
+        """The original source file the tensor came from (the converter spreads source-file work by it)."""
+        return self._source_file.get(name, "")
+
+    def file_hashes(self, names: set[str] | None = None) -> dict[str, str]:
         """Nothing to report: the output manifest's source record is the original source's, not these files."""
         return {}
 

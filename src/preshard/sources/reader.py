@@ -1,12 +1,28 @@
 """Positional reads of a source's tensors that also hash each file on the way, when read front to back.
 
 The converter reads every byte of the source once, in file order, so the provenance hashes cost no
-second pass. A file read out of order (a resumed conversion skips what is done) is hashed separately.
+second pass. Reading again bytes already hashed (a packed column split read once per block) leaves the
+hash alone; a file read with gaps (a resumed conversion skips what is done; a parallel worker reads only
+what its files need) is hashed separately, if its hash is asked for.
+
+`read_band` reads a band of rows the cheapest way: from the page cache when all of it is there (a copy
+at memory speed), else with `O_DIRECT` straight into the caller's buffer. Going through the page cache
+for data that is not cached costs a page allocation and a copy per page: on a virtual machine measured
+at 5.9 CPU s for 4.3 GB, against 0.2 CPU s direct, and the conversion reads each byte once. Whether a
+range is cached is asked with `mincore` on a mapping that is never touched (asking with a non-blocking
+read would start the very readahead this avoids).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import errno
+import mmap
 import os
+import sys
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,6 +33,11 @@ from preshard.sources.local import CheckpointSource
 from preshard.sources.safetensors_file import TensorEntry
 
 HASH_BLOCK = 8 << 20
+ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and memory
+DIRECT_MIN_BYTES = 1 << 20  # smaller reads go through the page cache
+DIRECT_PARTS, DIRECT_PART_BYTES = 4, 4 << 20  # a direct read is split in up to 4 concurrent reads of >= 4 MiB
+# PRESHARD_DIRECT_IO=0 reads (and writes) through the page cache only.
+DIRECT_IO = os.environ.get("PRESHARD_DIRECT_IO", "1") != "0"
 
 
 def hash_file(path: Path) -> str:
@@ -27,13 +48,94 @@ def hash_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+def band_buffer_bytes(nbytes: int) -> int:
+    """The buffer `read_band` needs for `nbytes` of data: room to align the start and end to ALIGN."""
+    return nbytes + 3 * ALIGN
+
+
+def _read_part(fd: int, view: memoryview, base: int, start: int, end: int) -> bool:
+    """Read file bytes [start, end) (start aligned; the read goes on to a block boundary) into view[start - base:];
+    False if the file ends first."""
+    position = start
+    stop = end + (-end % ALIGN)
+    while position < end:
+        n = os.preadv(fd, [view[position - base : stop - base]], position)
+        if n <= 0:
+            return False
+        position += n
+    return True
+
+
+class _Residency:
+    """Whether a file range is entirely in the page cache (Linux `mincore`); None where that cannot be asked."""
+
+    def __init__(self) -> None:
+        self.libc = None
+        if not sys.platform.startswith("linux"):
+            return
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.mmap.restype = ctypes.c_void_p
+            libc.mmap.argtypes = [
+                ctypes.c_void_p,
+                ctypes.c_size_t,
+                ctypes.c_int,
+                ctypes.c_int,
+                ctypes.c_int,
+                ctypes.c_long,
+            ]
+            libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+            libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        except (OSError, AttributeError):
+            return
+        self.libc = libc
+        self.page = mmap.PAGESIZE
+
+    def cached(self, fd: int, offset: int, length: int) -> bool | None:
+        if self.libc is None:
+            return None
+        start = offset - offset % self.page
+        length += offset - start
+        addr = self.libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
+        if addr is None or addr == ctypes.c_void_p(-1).value:
+            return None
+        try:
+            pages = (length + self.page - 1) // self.page
+            vec = (ctypes.c_ubyte * pages)()
+            if self.libc.mincore(addr, length, vec) != 0:
+                return None
+            return all(b & 1 for b in bytes(vec))
+        finally:
+            self.libc.munmap(addr, length)
+
+
+@dataclass
+class PendingBand:
+    """A band being read (`SourceReader.start_band`)."""
+
+    path: Path
+    offset: int
+    nbytes: int
+    buffer: torch.Tensor
+    direct: tuple[torch.Tensor, list[Future]] | None  # the aligned region and its part reads, when direct
+
+
 class SourceReader:
     """Reads row ranges of source tensors into caller buffers, hashing files read in order."""
 
-    def __init__(self, source: CheckpointSource) -> None:
+    def __init__(self, source: CheckpointSource, *, direct: bool | None = None) -> None:
         self.tensors = source.tensors
         self.files = {h.path: h for h in source.files}
         self.fds = {path: os.open(path, os.O_RDONLY) for path in self.files}
+        self.direct_fds: dict[Path, int] = {}  # opened at the first direct read of each file
+        self._direct = (DIRECT_IO if direct is None else direct) and hasattr(os, "O_DIRECT")
+        self._no_direct: set[Path] = set()  # files whose file system refuses O_DIRECT
+        self.residency = _Residency()
+        self.direct_bytes = 0  # how much came in with O_DIRECT (the rest: from the page cache)
+        self._threads: ThreadPoolExecutor | None = None
+        if hasattr(os, "posix_fadvise"):  # front to back: let the kernel read further ahead
+            for fd in self.fds.values():
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         self.digests = {path: xxhash.xxh3_128() for path in self.files}
         self.positions = {path: 0 for path in self.files}
         for path, header in self.files.items():
@@ -44,28 +146,114 @@ class SourceReader:
         entry = self.tensors[name]
         self.read_into(entry, entry.start + start * entry.row_bytes, out)
 
+    def read_band(self, name: str, start: int, count: int, buffer: torch.Tensor) -> torch.Tensor:
+        """Rows `[start, start + count)` of tensor `name`, read into `buffer` (flat uint8, at least
+        `band_buffer_bytes` of the rows' size), from the page cache or directly; returns the view holding them."""
+        return self.finish_band(self.start_band(name, start, count, buffer))
+
+    def start_band(self, name: str, start: int, count: int, buffer: torch.Tensor) -> PendingBand:
+        """Start reading a band (as `read_band`): a direct read is under way when this returns, so that the next
+        band's can start before this one's ends. Finish bands with `finish_band`, in the order they were started
+        (the file hashes are fed then)."""
+        entry = self.tensors[name]
+        offset = entry.start + start * entry.row_bytes
+        nbytes = count * entry.row_bytes if entry.shape else entry.nbytes
+        return PendingBand(entry.path, offset, nbytes, buffer, self._start_direct(entry.path, offset, nbytes, buffer))
+
+    def finish_band(self, band: PendingBand) -> torch.Tensor:
+        """Wait for a band started with `start_band`; returns the view holding its rows."""
+        view = None
+        if band.direct is not None:
+            region, parts = band.direct
+            try:
+                if all(part.result() for part in parts):
+                    first = band.offset - band.offset % ALIGN
+                    view = region[band.offset - first : band.offset - first + band.nbytes]
+                    self.direct_bytes += band.nbytes
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._no_direct.add(band.path)  # O_DIRECT at open, not at read: the page cache it is
+                with contextlib.suppress(KeyError, OSError):
+                    os.close(self.direct_fds.pop(band.path))
+        if view is None:  # not direct, or the file ends early (the buffered read then names the truncation)
+            view = band.buffer[: band.nbytes]
+            pread_into(self.fds[band.path], band.offset, [byte_view(view)], band.path.name)
+        self._feed(band.path, band.offset, byte_view(view))
+        return view
+
+    def _start_direct(self, path: Path, offset: int, nbytes: int, buffer: torch.Tensor):
+        """Start an O_DIRECT read unless the range is cached (or small, or O_DIRECT is not to be had): the file's
+        blocks around the range land in `buffer` at an aligned address. Returns (region, futures) or None."""
+        fd = self._direct_fd(path) if nbytes >= DIRECT_MIN_BYTES else None
+        if fd is None or self.residency.cached(self.fds[path], offset, nbytes) is not False:
+            return None
+        first = offset - offset % ALIGN
+        last = offset + nbytes
+        last += -last % ALIGN
+        skip = -buffer.data_ptr() % ALIGN
+        if skip + last - first > buffer.numel():
+            return None
+        region = buffer[skip : skip + last - first]
+        view = byte_view(region)
+        # Several reads in flight (a deeper device queue), each of whole blocks.
+        step = max(DIRECT_PART_BYTES, -(-(last - first) // DIRECT_PARTS))
+        step += -step % ALIGN
+        pool = self._pool()
+        parts = [
+            pool.submit(_read_part, fd, view, first, a, min(a + step, offset + nbytes))
+            for a in range(first, offset + nbytes, step)
+        ]
+        return region, parts
+
+    def _direct_fd(self, path: Path) -> int | None:
+        if not self._direct or path in self._no_direct:
+            return None
+        if path not in self.direct_fds:
+            try:
+                self.direct_fds[path] = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            except OSError:  # a file system without O_DIRECT: the page cache it is
+                self._no_direct.add(path)
+                return None
+        return self.direct_fds[path]
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._threads is None:
+            self._threads = ThreadPoolExecutor(2 * DIRECT_PARTS, thread_name_prefix="read")
+        return self._threads
+
     def read_into(self, entry: TensorEntry, offset: int, out: torch.Tensor) -> None:
         """Fill the flat uint8 `out` with `entry`'s file bytes at absolute `offset`."""
         view = byte_view(out)
         pread_into(self.fds[entry.path], offset, [view], entry.path.name)
         self._feed(entry.path, offset, view)
 
+    def file_of(self, name: str) -> str:
+        """The name of the source file holding tensor `name`."""
+        return self.tensors[name].path.name
+
     def _feed(self, path: Path, offset: int, data) -> None:
-        if self.positions[path] == offset:
+        position = self.positions[path]
+        if position == offset:
             self.digests[path].update(data)
             self.positions[path] += len(data)
-        else:
-            self.positions[path] = -1  # out of order: hash the file separately
+        elif position < 0 or offset + len(data) > position:
+            self.positions[path] = -1  # a gap: hash the file separately
 
     def file_hash(self, path: Path) -> str:
         if self.positions[path] == self.files[path].size:
             return self.digests[path].hexdigest()
         return hash_file(path)
 
-    def file_hashes(self) -> dict[str, str]:
-        """Each source file's xxh3_128 (from the in-order read where there was one, else a separate pass)."""
-        return {path.name: self.file_hash(path) for path in self.files}
+    def file_hashes(self, names: set[str] | None = None) -> dict[str, str]:
+        """Each source file's xxh3_128 (from the in-order read where there was one, else a separate pass); with
+        `names`, only those files'."""
+        return {path.name: self.file_hash(path) for path in self.files if names is None or path.name in names}
 
     def close(self) -> None:
-        for fd in self.fds.values():
+        if self._threads is not None:
+            self._threads.shutdown()
+            self._threads = None
+        for fd in (*self.fds.values(), *self.direct_fds.values()):
             os.close(fd)
+        self.fds, self.direct_fds = {}, {}
