@@ -39,21 +39,15 @@ import os
 import platform
 import shlex
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import textwrap
-import threading
 import time
 from pathlib import Path
 
-GB = 10**9
-GIB = 2**30
-MIB = 2**20
-DROP_CACHES = "/proc/sys/vm/drop_caches"
-REPO_SRC = Path(__file__).resolve().parent.parent / "src"
+from _harness import GB, GIB, MIB, bench_env, cold_possible, drop_caches, loadavg, timed, tree_bytes
 
 # Runs in a child so this driver stays small (its peak RSS would otherwise be inherited by ru_maxrss).
 GENERATE = textwrap.dedent(
@@ -77,13 +71,6 @@ CP = "cp -r + sync"
 IMPORTS = "import preshard.cli, preshard.converter.convert"
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    if (REPO_SRC / "preshard").is_dir():  # the working tree's package, also inside the console script
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_SRC), env.get("PYTHONPATH")) if p)
-    return env
-
-
 def _convert_command(env: dict[str, str]) -> list[str]:
     script = Path(sys.executable).parent / "convert-checkpoint"
     if script.is_file():
@@ -94,59 +81,10 @@ def _convert_command(env: dict[str, str]) -> list[str]:
     return [sys.executable, "-c", "from preshard.cli import convert_checkpoint_command; convert_checkpoint_command()"]
 
 
-def _loadavg() -> str:
-    try:
-        with open("/proc/loadavg") as f:
-            return f.read().strip()
-    except OSError:
-        return "n/a"
-
-
-def _tree_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
-
-
 def _own_peak_kib() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-
-
-def cold_possible() -> tuple[bool, str]:
-    """Whether the page cache can be dropped here: open the file for writing (writing nothing drops nothing)."""
-    try:
-        with open(DROP_CACHES, "w"):
-            pass
-    except OSError as exc:
-        return False, f"{DROP_CACHES} not writable ({exc.strerror or exc})"
-    return True, f"{DROP_CACHES} writable"
-
-
-def drop_caches() -> None:
-    os.sync()
-    with open(DROP_CACHES, "w") as f:
-        f.write("3\n")
-
-
-def timed(cmd: str, env: dict[str, str], log: Path, timeout: float) -> dict:
-    """Run `cmd` under bash in a new process group; wall time to exit, CPU and peak RSS of the whole tree."""
-    with open(log, "wb") as out:
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(
-            ["bash", "-c", cmd], env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        timer = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
-        timer.start()
-        try:
-            _, status, usage = os.wait4(proc.pid, 0)
-        finally:
-            timer.cancel()
-        wall = time.perf_counter() - t0
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
-        tail = log.read_text(errors="replace")[-3000:]
-        raise SystemExit(f"step failed (status {proc.returncode}): {cmd}\n{tail}")
-    return {"wall_s": wall, "user_s": usage.ru_utime, "sys_s": usage.ru_stime, "maxrss_kib": usage.ru_maxrss}
 
 
 def _quiet(cmd: str, env: dict[str, str]) -> None:
@@ -223,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
 
     command = shlex.join(["python", *(sys.argv if argv is None else [sys.argv[0], *argv])])
     print(f"command: {command}")
-    env = _env()
-    load_start = _loadavg()
+    env = bench_env()
+    load_start = loadavg()
     print(f"host: {platform.node()}, {os.cpu_count()} CPUs, {platform.platform()}, python {platform.python_version()}")
     print(f"loadavg at start: {load_start}")
 
@@ -254,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         if gen.returncode:
             raise SystemExit(f"writing the checkpoint failed:\n{gen.stderr[-3000:]}")
         info = json.loads(gen.stdout.strip().splitlines()[-1])
-        source_bytes = _tree_bytes(src)
+        source_bytes = tree_bytes(src)
         headers = source_bytes - info["data_bytes"]
         if not 0 < headers < 64 * MIB * len(info["files"]):
             raise SystemExit(f"source folder holds {source_bytes} bytes for {info['data_bytes']} data bytes")
@@ -301,9 +239,9 @@ def main(argv: list[str] | None = None) -> int:
                             _quiet(shlex.join([sys.executable, "-c", IMPORTS]), env)
                             imports_cold = False
                         _quiet(f"cat {files} > /dev/null", env)
-                    load = _loadavg()
+                    load = loadavg()
                     result = timed(steps[step], env, root / "step.log", args.timeout)
-                    written = _tree_bytes(dst) + _tree_bytes(out)
+                    written = tree_bytes(dst) + tree_bytes(out)
                     shutil.rmtree(dst, ignore_errors=True)
                     shutil.rmtree(out, ignore_errors=True)
                     run = {"rep": rep, "mode": mode, "position": position, "step": step, "loadavg_before": load}
@@ -315,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"load {load.split()[0]}",
                         flush=True,
                     )
-        load_end = _loadavg()
+        load_end = loadavg()
         print(report(runs, source_bytes, info["largest_bytes"], modes))
         print(f"\nthis driver's own peak RSS: {_own_peak_kib() / 1024:.0f} MiB")
         print(f"loadavg at start: {load_start}\nloadavg at end:   {load_end}")

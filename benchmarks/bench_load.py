@@ -49,46 +49,15 @@ import tempfile
 import time
 from pathlib import Path
 
+from _harness import REPO_SRC, bench_env, cold_possible, drop_caches, loadavg
+
 VARIANTS = ("raw", "preshard", "slice")
 MIB = 1024 * 1024
 BLOCK = 16 * MIB
-DROP_CACHES = "/proc/sys/vm/drop_caches"
-REPO_SRC = Path(__file__).resolve().parent.parent / "src"
 
 
 # --------------------------------------------------------------------------------------------------
 # Environment, page cache
-
-
-def _env() -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    if (REPO_SRC / "preshard").is_dir():  # measure the working tree's package
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_SRC), os.environ.get("PYTHONPATH")) if p)
-    return env
-
-
-def _loadavg() -> str:
-    try:
-        with open("/proc/loadavg") as f:
-            return f.read().strip()
-    except OSError:
-        return "n/a"
-
-
-def cold_possible() -> tuple[bool, str]:
-    """Whether the page cache can be dropped: open the file for writing (writing nothing drops nothing)."""
-    try:
-        with open(DROP_CACHES, "w"):
-            pass
-    except OSError as exc:
-        return False, f"{DROP_CACHES} not writable ({exc.strerror or exc})"
-    return True, f"{DROP_CACHES} writable"
-
-
-def drop_caches() -> None:
-    os.sync()
-    with open(DROP_CACHES, "w") as f:
-        f.write("3\n")
 
 
 def read_through(paths: list[Path]) -> None:
@@ -575,7 +544,7 @@ def main(argv: list[str] | None = None) -> None:
 
     command = shlex.join(["python", *(sys.argv if argv is None else [sys.argv[0], *argv])])
     print(f"command: {command}")
-    load_start = _loadavg()
+    load_start = loadavg()
     print(f"{os.cpu_count()} CPUs; loadavg at start: {load_start}")
     modes = ["warm"]
     can_cold, why = cold_possible()
@@ -586,7 +555,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"cold runs: possible ({why})")
     else:
         print(f"cold not possible here ({why}): warm runs only")
-    env = _env()
+    env = bench_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     if (REPO_SRC / "preshard").is_dir():
         sys.path.insert(0, str(REPO_SRC))
 
@@ -622,7 +591,7 @@ def main(argv: list[str] | None = None) -> None:
                     _prepare_cache(mode, _files_of(out))
                     if mode == "warm":  # the interpreter's and libraries' files, as a warm start has them
                         subprocess.run([sys.executable, "-c", "import torch, diffusers, preshard"], env=env, check=True)
-                    load = _loadavg()
+                    load = loadavg()
                     job = {"mode": mode, "run": run, "loadavg_before": load}
                     job.update(run_ranks(out, args.ranks, work, env, args.timeout))
                     jobs.append(job)
@@ -654,7 +623,7 @@ def main(argv: list[str] | None = None) -> None:
                     k = (run - 1) % len(VARIANTS)
                     for variant in VARIANTS[k:] + VARIANTS[:k]:
                         _prepare_cache(mode, files[variant])
-                        load = _loadavg()
+                        load = loadavg()
                         r = {**_run_child(variant, out, args.rank, env), "run": run, "mode": mode}
                         r["loadavg_before"] = load
                         results.append(r)
@@ -672,7 +641,7 @@ def main(argv: list[str] | None = None) -> None:
                     f"{mode}: preshard rank {args.rank} / raw read of the same bytes = {p / q:.2f}x (medians), "
                     f"{paired:.2f}x (median of per-run ratios); target <= 1.1x"
                 )
-        load_end = _loadavg()
+        load_end = loadavg()
         print(f"loadavg at start: {load_start}\nloadavg at end:   {load_end}")
         if args.json_path:
             record["loadavg_end"] = load_end

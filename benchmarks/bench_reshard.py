@@ -35,20 +35,16 @@ import os
 import platform
 import shlex
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import textwrap
-import threading
 import time
 from pathlib import Path
 
-GB = 10**9
-GIB = 2**30
-MIB = 2**20
-REPO_SRC = Path(__file__).resolve().parent.parent / "src"
+from _harness import GB, GIB, MIB, bench_env, loadavg, timed, tree_bytes
+
 CP = "cp -r + sync"
 
 # Runs in a child so that this driver stays small (ru_maxrss of a child would otherwise start at the driver's).
@@ -71,45 +67,6 @@ PREPARE = textwrap.dedent(
     }))
     """
 )
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    if (REPO_SRC / "preshard").is_dir():  # the working tree's package
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_SRC), env.get("PYTHONPATH")) if p)
-    return env
-
-
-def _loadavg() -> str:
-    try:
-        with open("/proc/loadavg") as f:
-            return f.read().strip()
-    except OSError:
-        return "n/a"
-
-
-def _tree_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
-
-
-def timed(cmd: str, env: dict[str, str], log: Path, timeout: float) -> dict:
-    """Run `cmd` under bash in a new process group; wall time to exit, CPU and peak RSS of the whole tree."""
-    with open(log, "wb") as out:
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(
-            ["bash", "-c", cmd], env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        timer = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
-        timer.start()
-        try:
-            _, status, usage = os.wait4(proc.pid, 0)
-        finally:
-            timer.cancel()
-        wall = time.perf_counter() - t0
-    code = os.waitstatus_to_exitcode(status)
-    if code != 0:
-        raise SystemExit(f"step failed (status {code}): {cmd}\n{log.read_text(errors='replace')[-3000:]}")
-    return {"wall_s": wall, "user_s": usage.ru_utime, "sys_s": usage.ru_stime, "maxrss_kib": usage.ru_maxrss}
 
 
 def report(runs: list[dict], input_bytes: int, largest_bytes: int) -> str:
@@ -167,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
 
     command = shlex.join(["python", *(sys.argv if argv is None else [sys.argv[0], *argv])])
     print(f"command: {command}")
-    env = _env()
-    load_start = _loadavg()
+    env = bench_env()
+    load_start = loadavg()
     print(f"host: {platform.node()}, {os.cpu_count()} CPUs, {platform.platform()}, python {platform.python_version()}")
     print(f"loadavg at start: {load_start}")
     preshard = [sys.executable, "-c", "from preshard.cli import main; main()"]
@@ -186,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         if prep.returncode:
             raise SystemExit(f"writing and converting the checkpoint failed:\n{prep.stderr[-3000:]}")
         info = json.loads(prep.stdout.strip().splitlines()[-1])
-        input_bytes = _tree_bytes(given)
+        input_bytes = tree_bytes(given)
         need = (3 if args.convert else 2) * input_bytes
         if need > args.max_disk_gb * GB:
             raise SystemExit(f"needs ~{need / GB:.1f} GB of disk (input, one output, source) > --max-disk-gb")
@@ -224,9 +181,9 @@ def main(argv: list[str] | None = None) -> int:
             for position, step in enumerate(names[k:] + names[:k]):
                 subprocess.run(["bash", "-c", f"cat {files} > /dev/null"], check=True)
                 os.sync()
-                load = _loadavg()
+                load = loadavg()
                 result = timed(steps[step], env, root / "step.log", args.timeout)
-                written = _tree_bytes(out)
+                written = tree_bytes(out)
                 shutil.rmtree(out, ignore_errors=True)
                 run = {"rep": rep, "position": position, "step": step, "loadavg_before": load}
                 run.update(result, written_bytes=written)
@@ -236,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"  rss {result['maxrss_kib'] / 1024:6.0f} MiB  load {load.split()[0]}",
                     flush=True,
                 )
-        load_end = _loadavg()
+        load_end = loadavg()
         print()
         print(report(runs, input_bytes, info["largest_bytes"]))
         print(f"\nloadavg at start: {load_start}\nloadavg at end:   {load_end}")

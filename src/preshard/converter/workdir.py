@@ -11,6 +11,7 @@ last, is the folder renamed into place: a crash leaves no output or the previous
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -19,8 +20,10 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+from preshard.converter.signals import StopFlag, deferred_signals
 from preshard.converter.writer import RecordFileWriter
 from preshard.errors import CorruptCheckpointError, OutputError
 from preshard.format.jsonio import fsync_dir
@@ -354,3 +357,27 @@ def resume(
         except DamagedRecord as exc:
             names = list(done)
             done = {n: done[n] for n in names[: names.index(exc.tensor)]}
+
+
+@contextlib.contextmanager
+def fresh_workdir(output: Path, inputs: list[Path], *, overwrite: bool, wait: bool) -> Iterator[tuple[Path, StopFlag]]:
+    """For writers with nothing to resume (relinking, unsharding): the output checked and locked, signals deferred,
+    an empty partial folder; the body fills it and calls `commit`. On any failure the partial folder is removed.
+
+    Raises:
+        OutputError: as `check_output`, or the output is locked by another run (without `wait`).
+    """
+    check_output(output, inputs, overwrite)
+    with OutputLock(output, wait=wait), deferred_signals() as stop:
+        check_output(output, inputs, overwrite)  # again, now that we hold the lock
+        work = partial_dir(output)
+        if work.is_symlink() or work.is_file():
+            work.unlink()
+        elif work.exists():
+            shutil.rmtree(work)
+        work.mkdir()
+        try:
+            yield work, stop
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)
+            raise

@@ -24,8 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from preshard.converter.convert import plan_conversion, resolve_mesh, write_conversion
-from preshard.converter.signals import deferred_signals
-from preshard.converter.workdir import OutputLock, check_output, commit, partial_dir
+from preshard.converter.workdir import commit, fresh_workdir
 from preshard.errors import OutputError
 from preshard.format.jsonio import fsync_file, write_json_atomic
 from preshard.format.manifest import DCP_METADATA_NAME, MANIFEST_NAME, Manifest
@@ -91,39 +90,27 @@ def _relink(source: PreshardedSource, output: Path, mesh: MeshSpec, *, overwrite
     names = [f.name for f in manifest.files] + [DCP_METADATA_NAME]
     if manifest.config is not None:
         names.append(manifest.config.name)
-    check_output(output, source.input_paths(), overwrite)
-    with OutputLock(output, wait=wait), deferred_signals() as stop:
-        check_output(output, source.input_paths(), overwrite)
-        work = partial_dir(output)
-        if work.is_symlink() or work.is_file():
-            work.unlink()
-        elif work.exists():
-            shutil.rmtree(work)
-        work.mkdir()
-        try:
-            identity = source.identity()
-            linking = True
-            for i, name in enumerate(names):
-                if linking:
-                    linking = _link(source.folder / name, work / name)
-                    if not linking:  # this file system cannot link them: copy all that is left, if it fits
-                        _check_free(output, sum((source.folder / n).stat().st_size for n in names[i:]))
-                if not linking:
-                    shutil.copyfile(source.folder / name, work / name)
-                    fsync_file(work / name)
-                stop.check()
-            source.check_unchanged(identity)
-            created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-            new = replace(
-                manifest.with_mesh(mesh, derived_from=source.derived_from), preshard_version=__version__,
-                created=created,
-            ).sealed()  # fmt: skip
-            write_json_atomic(work / MANIFEST_NAME, new.to_dict())
+    with fresh_workdir(output, source.input_paths(), overwrite=overwrite, wait=wait) as (work, stop):
+        identity = source.identity()
+        linking = True
+        for i, name in enumerate(names):
+            if linking:
+                linking = _link(source.folder / name, work / name)
+                if not linking:  # this file system cannot link them: copy all that is left, if it fits
+                    _check_free(output, sum((source.folder / n).stat().st_size for n in names[i:]))
+            if not linking:
+                shutil.copyfile(source.folder / name, work / name)
+                fsync_file(work / name)
             stop.check()
-            commit(work, output)
-        except BaseException:
-            shutil.rmtree(work, ignore_errors=True)  # nothing worth resuming: links are instant
-            raise
+        source.check_unchanged(identity)
+        created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        new = replace(
+            manifest.with_mesh(mesh, derived_from=source.derived_from), preshard_version=__version__,
+            created=created,
+        ).sealed()  # fmt: skip
+        write_json_atomic(work / MANIFEST_NAME, new.to_dict())
+        stop.check()
+        commit(work, output)
     return new
 
 

@@ -20,14 +20,12 @@ again, or load the converted checkpoint as it is.)
 from __future__ import annotations
 
 import os
-import shutil
 import struct
 from pathlib import Path
 
 import torch
 
-from preshard.converter.signals import deferred_signals
-from preshard.converter.workdir import OutputLock, check_output, check_space, commit, partial_dir
+from preshard.converter.workdir import check_space, commit, fresh_workdir
 from preshard.errors import CorruptCheckpointError, UsageError
 from preshard.format.dtypes import cast_is_lossless, dtype_name
 from preshard.format.fileio import byte_view
@@ -76,35 +74,23 @@ def unshard_checkpoint(
     plan = _output_files(source, headers)
     output = Path(output)
     needed = sum(f.size for f in source.manifest.source.files) + sum(len(b) for b in plan.values()) + (1 << 20)
-    check_output(output, source.input_paths(), overwrite)
-    with OutputLock(output, wait=wait), deferred_signals() as stop:
-        check_output(output, source.input_paths(), overwrite)
-        work = partial_dir(output)
-        if work.is_symlink() or work.is_file():
-            work.unlink()
-        elif work.exists():
-            shutil.rmtree(work)
-        work.mkdir()
+    with fresh_workdir(output, source.input_paths(), overwrite=overwrite, wait=wait) as (work, stop):
+        check_space(output, work, needed)
+        identity = source.identity()
+        reader = source.open_reader()
+        bar = Progress(source.total_bytes, "unsharding", progress)
         try:
-            check_space(output, work, needed)
-            identity = source.identity()
-            reader = source.open_reader()
-            bar = Progress(source.total_bytes, "unsharding", progress)
-            try:
-                for header, record in zip(headers, source.manifest.source.files):
-                    _write_file(work / record.name, header, record.size, record.xxh3_128, reader, bar, stop)
-            finally:
-                bar.close()
-                reader.close()
-            for name, data in plan.items():
-                _write_bytes(work / name, data)
-            source.check_unchanged(identity)
-            fsync_dir(work)
-            stop.check()
-            commit(work, output)
-        except BaseException:
-            shutil.rmtree(work, ignore_errors=True)  # not resumable: a re-run starts over
-            raise
+            for header, record in zip(headers, source.manifest.source.files):
+                _write_file(work / record.name, header, record.size, record.xxh3_128, reader, bar, stop)
+        finally:
+            bar.close()
+            reader.close()
+        for name, data in plan.items():
+            _write_bytes(work / name, data)
+        source.check_unchanged(identity)
+        fsync_dir(work)
+        stop.check()
+        commit(work, output)
     return [output / f.name for f in source.manifest.source.files] + [output / name for name in plan]
 
 
