@@ -580,6 +580,21 @@ def test_cli_overwrite_replaces_an_existing_output(tiny_src, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # nothing retired or partial left behind
 
 
+@pytest.mark.parametrize("dry", [False, True], ids=["convert", "dry-run"])
+def test_cli_overwrite_refuses_a_folder_that_is_not_a_checkpoint(tiny_src, tmp_path, dry):
+    """A mistyped OUT naming someone's folder must not be deleted by --overwrite: only a checkpoint is replaced."""
+    out = tmp_path / "models"
+    (out / "sub").mkdir(parents=True)
+    (out / "weights.safetensors").write_bytes(b"precious")
+    (out / "sub" / "notes.txt").write_text("keep me\n")
+    before = _snapshot(tmp_path)
+    args = [str(tiny_src), str(out), "--tp", "2", "--overwrite", "--no-progress"] + (["--dry-run"] if dry else [])
+    refused = _runner().invoke(convert_checkpoint_command, args)
+    _assert_one_line_error(refused.exit_code, refused.stdout, refused.stderr, "is not a preshard checkpoint")
+    assert "manifest.json" in refused.stderr and "remove the folder yourself" in refused.stderr
+    assert _snapshot(tmp_path) == before  # nothing written, not even a lock file
+
+
 def test_inspect_prints_mesh_files_and_bytes_per_rank(mixed):
     out = mixed(2, cp=2)
     manifest = read_manifest(out)

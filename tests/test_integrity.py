@@ -6,7 +6,8 @@ silently accepted.
 - concurrency: pairs of conversions into one output at varied delays, with and without `--wait`, and a holder
   killed while another waits: never a commit that fails `verify --source`, the loser names the winner's pid;
 - resume: a damaged record in the partial (framing, data, cut short) is redone with everything after it, and
-  torch's own `dcp_to_torch_save` reads the result; a source rewritten mid-run commits nothing;
+  torch's own `dcp_to_torch_save` reads the result; a signal during the re-check stops it at the next record;
+  a source rewritten mid-run commits nothing;
 - bad input: one line, exit status 2 (a PreshardError in Python), nothing written;
 - zero-size tensors: convert, verify, torch's reader and load at tp=1 and tp=2.
 
@@ -39,7 +40,7 @@ from preshard import MeshSpec, convert_checkpoint, load_sharded, verify_checkpoi
 from preshard.cli import convert_checkpoint_command, main
 from preshard.converter import convert as convert_module
 from preshard.converter import writer as writer_module
-from preshard.errors import MismatchError, UsageError
+from preshard.errors import Interrupted, MismatchError, UsageError
 from preshard.format.manifest import read_manifest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
@@ -366,6 +367,40 @@ def test_a_damaged_record_in_the_partial_is_redone_with_everything_after_it(smal
     expected = {k: v for f in sorted(source.glob("*.safetensors")) for k, v in load_file(f).items()}
     assert sorted(back) == sorted(expected)
     assert all(torch.equal(back[k], expected[k]) for k in expected)
+
+
+def test_a_signal_during_the_resume_check_stops_it_at_the_next_record(small_source, tmp_path, monkeypatch):
+    """Re-checking a large partial takes as long as reading it: Ctrl-C must stop that too, not wait for writing."""
+    source, plan = small_source
+    out = tmp_path / "out"
+    order = _partial_after(source, plan, out, 18, monkeypatch)
+    journalled = len((partial_of(out) / "journal.jsonl").read_text().splitlines())
+    assert journalled >= 10
+    before = tree_hash(partial_of(out))
+    reads_after_signal: list[int] = []
+    real_pread = writer_module.pread_into
+
+    def pread_then_signal(*args, **kwargs):
+        if reads_after_signal:
+            reads_after_signal[0] += 1
+        elif real_pread.calls >= 6:  # in the third kept record's check
+            reads_after_signal.append(0)
+            os.kill(os.getpid(), signal.SIGINT)
+        real_pread.calls += 1
+        return real_pread(*args, **kwargs)
+
+    real_pread.calls = 0
+    monkeypatch.setattr(writer_module, "pread_into", pread_then_signal)
+    written: list[str] = []
+    monkeypatch.setattr(convert_module, "_after_tensor_hook", written.append)
+    with pytest.raises(Interrupted):
+        convert_checkpoint(source, out, tp=2, plan=plan, progress=False)
+    assert reads_after_signal and reads_after_signal[0] <= 3, reads_after_signal  # the rest of one record at most
+    assert written == [] and tree_hash(partial_of(out)) == before  # nothing lost: the journal is intact
+    monkeypatch.setattr(writer_module, "pread_into", real_pread)
+    convert_checkpoint(source, out, tp=2, plan=plan, progress=False)
+    assert written == order[journalled:]  # the re-run still keeps every journalled tensor
+    assert verify_checkpoint(out, source=source).ok
 
 
 def test_a_record_damaged_on_disk_while_converting_is_not_blessed_by_the_manifest(small_source, tmp_path, monkeypatch):

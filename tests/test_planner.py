@@ -234,6 +234,31 @@ def test_dry_run_writes_nothing_and_predicts_the_output(tiny_sources, tmp_path: 
     assert f"2 data files, {human_bytes(sum(f.size for f in manifest.files))}" in text
 
 
+def test_dry_run_json_gives_the_same_figures_and_json_needs_dry_run(tiny_sources, tmp_path: Path):
+    source = tiny_sources("mixed")
+    out = tmp_path / "out"
+    args = [str(source), str(out), "--tp", "2", "--ulysses", "2"]
+    dry = _runner().invoke(convert_checkpoint_command, [*args, "--dry-run", "--json"])
+    assert dry.exit_code == 0, dry.stderr
+    report = json.loads(dry.stdout)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing written
+    assert report["mesh"]["tp"] == 2 and report["mesh"]["ulysses"] == 2 and report["world_size"] == 4
+    assert report["fits_disk"] is True and report["space_error"] is None
+    assert report["weight_bytes_per_rank"] == report["own_bytes_per_rank"] + report["replicated_bytes_per_rank"]
+    assert report["estimate_seconds_at_least"] > 0 and report["probe_bytes_per_second"]["write_fsync"] > 0
+
+    alone = _runner().invoke(convert_checkpoint_command, [*args, "--json", "--no-progress"])
+    assert alone.exit_code == 2 and alone.stderr.strip() == (
+        "error: --json goes with --dry-run (a conversion prints one summary line); add --dry-run or drop --json"
+    )
+    assert not out.exists()
+    real = _runner().invoke(convert_checkpoint_command, [*args, "--no-progress"])
+    assert real.exit_code == 0, real.stderr
+    sizes = [(out / f.name).stat().st_size for f in read_manifest(out).files]
+    assert report["data_file_bytes"] == sizes  # exact, from the record layout
+    assert report["needed_bytes"] >= sum(sizes)
+
+
 def _no_space(monkeypatch: pytest.MonkeyPatch, free_bytes: int) -> None:
     real = os.statvfs
 

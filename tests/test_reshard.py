@@ -254,6 +254,20 @@ def test_unshard_rebuilds_the_multi_file_source_bit_for_bit(tmp_path, converted,
         assert torch.equal(f.get_tensor(name), _state_dict(source)[name])
 
 
+def test_unshard_keeps_the_index_bytes_as_they_were(tmp_path, tiny_sources):
+    """A Windows-written index (CRLF, no trailing newline) comes back byte for byte, not with LF line endings."""
+    from preshard import convert_checkpoint
+
+    source = tmp_path / "crlf"
+    shutil.copytree(tiny_sources("mixed"), source)
+    index = source / "diffusion_pytorch_model.safetensors.index.json"
+    index.write_bytes(index.read_bytes().rstrip(b"\n").replace(b"\n", b"\r\n"))
+    assert b"\r\n" in index.read_bytes()
+    convert_checkpoint(source, tmp_path / "ckpt", tp=2, progress=False)
+    unshard_checkpoint(tmp_path / "ckpt", tmp_path / "back", progress=False)
+    _assert_same_files(tmp_path / "back", source)
+
+
 def _state_dict(folder: Path) -> dict[str, torch.Tensor]:
     tensors = {}
     for path in sorted(folder.glob("*.safetensors")):
@@ -340,6 +354,32 @@ def test_cli_reshard_and_unshard(tmp_path, converted, tiny_sources):
     _assert_same_files(tmp_path / "u", tiny_sources("mixed"))
     helped = runner.invoke(cli_main, ["--help"])
     assert "reshard" in helped.output and "unshard" in helped.output
+
+
+def test_overwrite_replaces_only_what_the_command_writes(tmp_path, converted):
+    """reshard replaces a checkpoint, unshard a safetensors folder; neither deletes a folder of anything else."""
+    runner = CliRunner()
+    ckpt = converted("mixed", 4)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep me\n")
+    for args in (["reshard", str(ckpt), str(other), "--tp", "2"], ["unshard", str(ckpt), str(other)]):
+        refused = runner.invoke(cli_main, [*args, "--overwrite"])
+        assert refused.exit_code == 2 and "--overwrite replaces only that" in refused.output, refused.output
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["other"] and (other / "notes.txt").exists()
+    # a checkpoint is not a safetensors folder and a safetensors folder is not a checkpoint
+    done = runner.invoke(cli_main, ["reshard", str(ckpt), str(tmp_path / "r"), "--tp", "2"])
+    assert done.exit_code == 0, done.output
+    refused = runner.invoke(cli_main, ["unshard", str(ckpt), str(tmp_path / "r"), "--overwrite"])
+    assert refused.exit_code == 2 and "is not a safetensors checkpoint" in refused.output, refused.output
+    done = runner.invoke(cli_main, ["unshard", str(ckpt), str(tmp_path / "u")])
+    assert done.exit_code == 0, done.output
+    refused = runner.invoke(cli_main, ["reshard", str(ckpt), str(tmp_path / "u"), "--tp", "2", "--overwrite"])
+    assert refused.exit_code == 2 and "is not a preshard checkpoint" in refused.output, refused.output
+    # and each replaces its own kind
+    for args in (["reshard", str(ckpt), str(tmp_path / "r"), "--tp", "1"], ["unshard", str(ckpt), str(tmp_path / "u")]):
+        replaced = runner.invoke(cli_main, [*args, "--overwrite"])
+        assert replaced.exit_code == 0, replaced.output
 
 
 def test_reshard_and_unshard_from_a_hub_repo(tmp_path, fake_hub, converted, tiny_sources):

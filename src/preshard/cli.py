@@ -4,12 +4,13 @@ Exit status: 0 success; 1 `verify` found problems; 2 a usage or input error (one
 traceback); 130 interrupted by SIGINT, 143 by SIGTERM (a conversion keeps its finished part: re-run the
 same command to resume).
 
-Conventions: `--help`/`-h` on every command (with the exit codes), `--version` on both entry points, `--json` where
-a program may read the output (inspect, verify, plan), and `--progress/--no-progress` where there is long work
-measured in bytes (convert, verify: on by default when stderr is a terminal, plain periodic lines when it is not; it
-also switches huggingface_hub's download bars). `inspect` and `plan` have none: they read a manifest or safetensors
-headers and finish in moments. `demo` has none: it prints each of its steps as a numbered line, its conversion of
-a few MB takes well under a second, and its long step (the torchrun job) has no byte count to show.
+Conventions: `--help`/`-h` on every command (with the exit codes), `--version` on both entry points, `--json`
+where a program may read the output (inspect, verify, plan, convert --dry-run), and `--progress/--no-progress`
+where there is long work measured in bytes (convert, verify: on by default when stderr is a terminal, plain
+periodic lines when it is not; it also switches huggingface_hub's download bars). `inspect` and `plan` have none:
+they read a manifest or safetensors headers and finish in moments. `demo` has none: it prints each of its steps as
+a numbered line, its conversion of a few MB takes well under a second, and its long step (the torchrun job) has no
+byte count to show.
 """
 
 from __future__ import annotations
@@ -154,7 +155,7 @@ def _hub_options(fn):
 @click.option("--plan", "plan", default=None, help="Built-in plan name or JSON plan file (default: from config.json).")
 @click.option("--dtype", default=None, help="Cast floating tensors: bf16, fp16 or fp32 (default: keep each dtype).")
 @_hub_options
-@click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists.")
+@click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it is a preshard checkpoint.")
 @click.option("--wait", is_flag=True, help="Wait for another conversion into OUTPUT to finish instead of failing.")
 @click.option(
     "--dry-run",
@@ -162,6 +163,7 @@ def _hub_options(fn):
     help="Resolve source (Hub: headers only), plan and mesh; print per-rank bytes, output size, free space and a "
     "time estimate from a short read/write probe; write nothing.",
 )
+@click.option("--json", "as_json", is_flag=True, help="With --dry-run: print the report as one JSON object.")
 @click.option(
     "--workers",
     type=click.IntRange(min=1),
@@ -174,15 +176,16 @@ def _hub_options(fn):
 @user_errors
 def convert_checkpoint_command(
     source, output, tp, cp, ring, ulysses, order, plan, dtype, subfolder, revision, token, overwrite, wait, dry_run,
-    workers,
-    progress,
+    as_json, workers, progress,
 ):  # fmt: skip
     """Slice SOURCE (.safetensors file, diffusers weights folder or Hub repo id) into per-rank shards in OUTPUT."""
     from preshard.converter.convert import convert_checkpoint, resolve_mesh
 
+    if as_json and not dry_run:
+        _fail("--json goes with --dry-run (a conversion prints one summary line); add --dry-run or drop --json")
     if dry_run:
         from preshard.tools.planner import dry_run as plan_dry_run
-        from preshard.tools.planner import dry_run_text
+        from preshard.tools.planner import dry_run_json, dry_run_text
 
         mesh = resolve_mesh(None, tp, cp, ring, ulysses, order)
         with _hub_progress(progress):
@@ -190,7 +193,7 @@ def convert_checkpoint_command(
                 source, output, mesh=mesh, plan=plan, dtype=dtype, subfolder=subfolder, revision=revision,
                 token=token, overwrite=overwrite,
             )  # fmt: skip
-        click.echo(dry_run_text(report))
+        click.echo(json.dumps(dry_run_json(report), indent=1) if as_json else dry_run_text(report))
         if report.space_error:
             _fail(report.space_error)
         return
@@ -267,7 +270,7 @@ def verify_command(checkpoint, source, subfolder, revision, token, as_json, prog
 @click.option("--order", default=None, help="Mesh axis order (default: the checkpoint's).")
 @click.option("--revision", default=None, help="Hub branch, tag or commit of a Hub CHECKPOINT.")
 @click.option("--token", default=None, help="Hub token (default: HF_TOKEN or the saved login).")
-@click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists.")
+@click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it is a preshard checkpoint.")
 @click.option("--wait", is_flag=True, help="Wait for another conversion into OUTPUT to finish instead of failing.")
 @_progress_option
 @user_errors
@@ -292,7 +295,7 @@ def reshard_command(checkpoint, output, tp, cp, ring, ulysses, order, revision, 
 @click.argument("output", type=click.Path(path_type=str))
 @click.option("--revision", default=None, help="Hub branch, tag or commit of a Hub CHECKPOINT.")
 @click.option("--token", default=None, help="Hub token (default: HF_TOKEN or the saved login).")
-@click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists.")
+@click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it is a safetensors checkpoint folder.")
 @_progress_option
 @user_errors
 def unshard_command(checkpoint, output, revision, token, overwrite, progress):

@@ -175,7 +175,7 @@ def convert_checkpoint(
             (a built-in plan, else the diffusers class's own `_tp_plan`).
         dtype: cast 16/32/64-bit floating tensors to bf16/fp16/fp32 (a string or torch dtype); default: keep each.
         subfolder, revision, token: for Hub repos (`subfolder` also for a local folder).
-        overwrite: replace an existing `output`.
+        overwrite: replace an existing `output` if it is what this command writes (any other folder is refused).
         wait: wait for another conversion into the same `output` to finish instead of failing at once.
         progress: show progress (default: when stderr is a terminal).
         workers: local processes to convert with (at most `tp`: each writes its share of the data files). The
@@ -381,7 +381,9 @@ class _Conversion:
                 check_space(self.output, self.work, space_needed(job))
                 self.identity = src.identity()
                 resuming = open_workdir(self.work, _job_key(job))
-                done, opened = resume(self.work, job.write_order, job.files, tp) if resuming else ({}, {})
+                done, opened = (
+                    resume(self.work, job.write_order, job.files, tp, self.check_stop) if resuming else ({}, {})
+                )
                 opened = opened or open_writers(self.work, tp, {})
                 for r, w in opened.items():
                     if data_file_name(r) in self.mine:

@@ -20,7 +20,8 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from preshard.converter.signals import StopFlag, deferred_signals
@@ -28,6 +29,7 @@ from preshard.converter.writer import RecordFileWriter
 from preshard.errors import CorruptCheckpointError, OutputError
 from preshard.format.jsonio import fsync_dir
 from preshard.format.layout import ChunkRecord, FileLayout, data_file_name
+from preshard.format.manifest import MANIFEST_NAME
 from preshard.units import human_bytes
 
 JOURNAL_NAME = "journal.jsonl"
@@ -42,12 +44,40 @@ def lock_path(output: Path) -> Path:
     return output.parent / f".{output.name}.lock"
 
 
-def check_output(output: Path, source_paths: list[Path], overwrite: bool) -> Path:
+@dataclass(frozen=True)
+class OutputKind:
+    """What a command writes, so that `--overwrite` replaces only that and never a folder of something else."""
+
+    noun: str
+    recognise: Callable[[Path], bool]
+
+
+def _is_checkpoint(folder: Path) -> bool:
+    return (folder / MANIFEST_NAME).is_file()
+
+
+def _is_safetensors_folder(folder: Path) -> bool:
+    entries = list(folder.iterdir())
+    return any(e.name.endswith(".safetensors") for e in entries) and all(
+        e.is_file() and not e.is_symlink() and e.name.endswith((".safetensors", ".json")) for e in entries
+    )
+
+
+CHECKPOINT = OutputKind(f"a preshard checkpoint (it has no {MANIFEST_NAME})", _is_checkpoint)
+SAFETENSORS_FOLDER = OutputKind(
+    "a safetensors checkpoint (only *.safetensors and *.json files)", _is_safetensors_folder
+)
+
+
+def check_output(output: Path, source_paths: list[Path], overwrite: bool, kind: OutputKind = CHECKPOINT) -> Path:
     """The output folder to write, resolved; refuse what cannot work before anything is written.
 
+    Args:
+        kind: what the command writes; an existing non-empty output is replaced only if it is one of these.
+
     Raises:
-        OutputError: the output is a file, overlaps the source, exists without `overwrite`, is or holds the
-            current directory, is a symlink, or its parent folder is missing.
+        OutputError: the output is a file, overlaps the source, exists without `overwrite` (or with it, but is not
+            of `kind`), is or holds the current directory, is a symlink, or its parent folder is missing.
     """
     given = output
     cwd = Path.cwd().resolve()
@@ -68,8 +98,14 @@ def check_output(output: Path, source_paths: list[Path], overwrite: bool) -> Pat
         source = source.resolve()
         if out == source or out in source.parents or source in out.parents:
             raise OutputError(f"output {given} overlaps the source {source}; write the conversion elsewhere")
-    if output.exists() and any(output.iterdir()) and not overwrite:
-        raise OutputError(f"output {given} already exists; pass --overwrite to replace it")
+    if output.exists() and any(output.iterdir()):
+        if not overwrite:
+            raise OutputError(f"output {given} already exists; pass --overwrite to replace it")
+        if not kind.recognise(output):
+            raise OutputError(
+                f"output {given} is not {kind.noun}, and --overwrite replaces only that: "
+                "remove the folder yourself or name a new one"
+            )
     return out
 
 
@@ -309,8 +345,11 @@ class DamagedRecord(CorruptCheckpointError):
         self.tensor = tensor
 
 
-def open_writers(work: Path, tp: int, done: dict[str, list[ChunkRecord]]) -> dict[int, RecordFileWriter]:
-    """One writer per rank file, each adopting (and re-checking, framing and data) the records of `done`.
+def open_writers(
+    work: Path, tp: int, done: dict[str, list[ChunkRecord]], check_stop: Callable[[], None] | None = None
+) -> dict[int, RecordFileWriter]:
+    """One writer per rank file, each adopting (and re-checking, framing and data) the records of `done`;
+    `check_stop` is called between records, so a signal stops a long re-check.
 
     Raises:
         DamagedRecord: a kept record does not match what the journal says was written.
@@ -324,7 +363,7 @@ def open_writers(work: Path, tp: int, done: dict[str, list[ChunkRecord]]) -> dic
         for r, writer in writers.items():
             records = sorted(kept[data_file_name(r)], key=lambda c: c.offset)
             try:
-                writer.keep(records)
+                writer.keep(records, check_stop)
             except CorruptCheckpointError as exc:  # the writer stands at the end of the last intact record
                 bad = next(c for c in records if c.offset == writer.position)
                 raise DamagedRecord(str(exc), bad.tensor) from None
@@ -336,7 +375,7 @@ def open_writers(work: Path, tp: int, done: dict[str, list[ChunkRecord]]) -> dic
 
 
 def resume(
-    work: Path, write_order: list[str], files: FileLayout, tp: int
+    work: Path, write_order: list[str], files: FileLayout, tp: int, check_stop: Callable[[], None] | None = None
 ) -> tuple[dict[str, list[ChunkRecord]], dict[int, RecordFileWriter]]:
     """The journalled tensors that are still intact (a prefix of the write order, every record re-checked), and
     writers positioned right after them: a damaged record and everything written after it is redone."""
@@ -353,23 +392,25 @@ def resume(
         ]
     while True:
         try:
-            return done, open_writers(work, tp, done)
+            return done, open_writers(work, tp, done, check_stop)
         except DamagedRecord as exc:
             names = list(done)
             done = {n: done[n] for n in names[: names.index(exc.tensor)]}
 
 
 @contextlib.contextmanager
-def fresh_workdir(output: Path, inputs: list[Path], *, overwrite: bool, wait: bool) -> Iterator[tuple[Path, StopFlag]]:
+def fresh_workdir(
+    output: Path, inputs: list[Path], *, overwrite: bool, wait: bool, kind: OutputKind = CHECKPOINT
+) -> Iterator[tuple[Path, StopFlag]]:
     """For writers with nothing to resume (relinking, unsharding): the output checked and locked, signals deferred,
     an empty partial folder; the body fills it and calls `commit`. On any failure the partial folder is removed.
 
     Raises:
         OutputError: as `check_output`, or the output is locked by another run (without `wait`).
     """
-    check_output(output, inputs, overwrite)
+    check_output(output, inputs, overwrite, kind)
     with OutputLock(output, wait=wait), deferred_signals() as stop:
-        check_output(output, inputs, overwrite)  # again, now that we hold the lock
+        check_output(output, inputs, overwrite, kind)  # again, now that we hold the lock
         work = partial_dir(output)
         if work.is_symlink() or work.is_file():
             work.unlink()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -93,14 +94,19 @@ class RecordFileWriter:
             self._view = memoryview(self._map)
             self._stage = torch.frombuffer(self._map, dtype=torch.uint8)
 
-    def keep(self, records: list[ChunkRecord]) -> None:
+    def keep(self, records: list[ChunkRecord], check_stop: Callable[[], None] | None = None) -> None:
         """Adopt a prefix written by an earlier run: re-check every kept record, framing and data, while hashing.
+
+        Args:
+            check_stop: called before each record; raises to stop (a signal during a long re-check).
 
         Raises:
             CorruptCheckpointError: a kept record does not match; the caller redoes from there.
         """
         buffer = bytearray(HASH_BLOCK)
         for record in records:
+            if check_stop is not None:
+                check_stop()
             if record.offset != self.position:
                 raise CorruptCheckpointError(f"{self.path.name}: kept records are not contiguous at {self.position}")
             framing = record.framing

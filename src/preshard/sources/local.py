@@ -171,7 +171,7 @@ def _from_index(folder: Path, index_path: Path, given: str) -> CheckpointSource:
     if extra:
         raise SourceError(f"{extra[0]} is stored in {source.tensors[extra[0]].path.name} but not in {index_path.name}")
     source.index_name = index_path.name
-    source.index_text = index_path.read_text(encoding="utf-8")
+    source.index_text = index_path.read_bytes().decode("utf-8")  # as is: read_text would turn CRLF into LF
     return source
 
 

@@ -539,6 +539,34 @@ def _rate(rate: float | None) -> str:
     return f"{human_bytes(rate)}/s" if rate else "not measured"
 
 
+def dry_run_json(run: DryRun) -> dict[str, Any]:
+    """What `convert-checkpoint --dry-run --json` prints: the same figures as the text, in bytes and seconds."""
+    r, p = run.per_rank, run.probe
+    return {
+        "source": run.source,
+        "hub": run.hub,
+        "plan": run.plan,
+        "dtype": run.dtype,
+        "mesh": run.mesh.to_dict(),
+        "world_size": run.mesh.world_size,
+        "tensors": run.tensors,
+        "source_bytes": run.source_bytes,
+        "weight_bytes_per_rank": r.weights,
+        "own_bytes_per_rank": r.own,
+        "replicated_bytes_per_rank": r.replicated,
+        "read_bytes_per_rank": r.read,
+        "data_file_bytes": list(r.file_sizes),
+        "output": str(run.output),
+        "needed_bytes": run.needed_bytes,
+        "free_bytes": run.free_bytes,
+        "fits_disk": run.space_error is None,
+        "space_error": run.space_error,
+        "probe_bytes_per_second": {"read": p.read_rate, "write_fsync": p.write_rate, "xxh3": p.hash_rate},
+        "estimate_seconds_at_least": run.estimate_seconds,
+        "notes": list(run.notes),
+    }
+
+
 def dry_run_text(run: DryRun) -> str:
     """The human view of a dry run."""
     r, mesh = run.per_rank, run.mesh

@@ -61,7 +61,7 @@ def reshard_checkpoint(
         mesh: the new mesh; or the keywords: `tp` (default: the input's), `cp` (= Ulysses) or `ring`/`ulysses`,
             `order`. Keywords left out keep the input's value (so `tp=4` alone keeps its CP layout).
         subfolder, revision, token: for a Hub repo.
-        overwrite: replace an existing `output`.
+        overwrite: replace an existing `output` if it is what this command writes (any other folder is refused).
         wait: wait for another conversion into `output` to finish instead of failing at once.
         progress: show progress (default: when stderr is a terminal).
 

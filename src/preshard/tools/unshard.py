@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from preshard.converter.workdir import check_space, commit, fresh_workdir
+from preshard.converter.workdir import SAFETENSORS_FOLDER, check_space, commit, fresh_workdir
 from preshard.errors import CorruptCheckpointError, UsageError
 from preshard.format.dtypes import cast_is_lossless, dtype_name
 from preshard.format.fileio import byte_view
@@ -55,7 +55,7 @@ def unshard_checkpoint(
         output: the folder to create, atomically: the source's safetensors files (same names and headers),
             its `*.safetensors.index.json` if it had one, and `config.json`.
         subfolder, revision, token: for a Hub repo.
-        overwrite: replace an existing `output`.
+        overwrite: replace an existing `output` if it is what this command writes (any other folder is refused).
         wait: wait for another run writing `output` to finish instead of failing at once.
         progress: show progress (default: when stderr is a terminal).
 
@@ -74,7 +74,8 @@ def unshard_checkpoint(
     plan = _output_files(source, headers)
     output = Path(output)
     needed = sum(f.size for f in source.manifest.source.files) + sum(len(b) for b in plan.values()) + (1 << 20)
-    with fresh_workdir(output, source.input_paths(), overwrite=overwrite, wait=wait) as (work, stop):
+    kind = SAFETENSORS_FOLDER  # --overwrite replaces only a folder of safetensors files
+    with fresh_workdir(output, source.input_paths(), overwrite=overwrite, wait=wait, kind=kind) as (work, stop):
         check_space(output, work, needed)
         identity = source.identity()
         reader = source.open_reader()
