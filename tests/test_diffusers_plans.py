@@ -1,6 +1,6 @@
-"""Models that declare their own TP plan: diffusers' Flux, Flux.2 and QwenImage transformers convert with no
---plan (the plan is read from the class, built on the meta device from config.json) and, loaded by 2 gloo ranks
-(and Flux/QwenImage by 2 x Ulysses 2), compute the unsharded model's function; and a model that cannot be
+"""Models that declare their own TP plan: diffusers' Flux, Flux.2, QwenImage and QwenImage 2.1 transformers convert
+with no --plan (the plan is read from the class, built on the meta device from config.json) and, loaded by 2 gloo
+ranks (and Flux/QwenImage by 2 x Ulysses 2), compute the unsharded model's function; and a model that cannot be
 sharded as it declares is refused at conversion, naming the module and why."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from preshard.format.manifest import read_manifest
 from preshard.plans.from_model import plan_from_model, plan_from_model_class
 
 TOL = 1e-5  # float32; measured max abs diff is ~1e-6
-MODELS = ["flux", "flux2", "qwenimage"]
+MODELS = ["flux", "flux2", "qwenimage", "qwenimage21"]
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +80,10 @@ def test_the_plan_comes_from_the_class_with_its_packed_blocks(checkpoints):
     assert {t.layout.style.name for t in qwen.tensors.values()} == {"colwise", "rowwise", "replicate"}
     for manifest in (flux, flux2, qwen):
         assert manifest.plan.cp_plan and all(rule.context_parallel for rule in manifest.plan.attention)
+    qwen21 = read_manifest(checkpoints["qwenimage21"])  # single-stream, SwiGLU in two Linears, no _cp_plan
+    assert qwen21.plan.name == "QwenImage21Transformer2DModel._tp_plan" and not qwen21.plan.cp_plan
+    assert qwen21.tensors["transformer_blocks.0.img_mlp.gate_layer.weight"].layout.style.name == "colwise"
+    assert qwen21.tensors["transformer_blocks.0.img_mlp.out.weight"].layout.style.name == "rowwise"
     assert "" in flux.plan.cp_plan  # Flux splits the root module's own inputs
 
 
@@ -150,3 +154,66 @@ def test_classes_without_a_plan_or_unknown_to_diffusers_say_how_to_give_one():
         plan_from_model_class("AutoencoderKL", {})
     with pytest.raises(PlanError, match="has no such model class; pass --plan"):
         plan_from_model_class("NoSuchTransformer", {})
+
+
+def test_a_cp_mesh_for_a_model_without_any_cp_plan_is_refused_at_conversion(checkpoints, tmp_path):
+    """QwenImage 2.1 declares a _tp_plan but no _cp_plan: a CP mesh could never load, so convert and reshard
+    refuse it (not every rank at load time) and commit nothing."""
+    from click.testing import CliRunner
+
+    from preshard.cli import main
+    from preshard.tools.reshard import reshard_checkpoint
+
+    source = save(build("qwenimage21")[0], tmp_path / "src")
+    runner = CliRunner()
+    for args in (["convert", str(source), str(tmp_path / "out"), "--tp", "2", "--ulysses", "2"],
+                 ["convert", str(source), str(tmp_path / "out"), "--tp", "1", "--ring", "2", "--dry-run"]):  # fmt: skip
+        refused = runner.invoke(main, [*args, "--no-progress"])
+        assert refused.exit_code == 2, refused.output
+        assert refused.output.strip().splitlines() == [
+            "error: plan QwenImage21Transformer2DModel._tp_plan has no cp_plan and QwenImage21Transformer2DModel "
+            "declares no _cp_plan, so no rank could load a context-parallel mesh (ring x ulysses = 2): use ring=1 "
+            "and ulysses=1 (--cp 1), or add a cp_plan to a plan file"
+        ]
+        assert not (tmp_path / "out").exists()
+    for tp in (2, 1):  # a CP-only change (relinking) and a TP change
+        with pytest.raises(PlanError, match="declares no _cp_plan"):
+            reshard_checkpoint(checkpoints["qwenimage21"], tmp_path / "r", tp=tp, ulysses=2, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.partial", "src"]
+    # what the refused conversion wrote is resumed by the same conversion without CP
+    done = runner.invoke(main, ["convert", str(source), str(tmp_path / "out"), "--tp", "2", "--no-progress"])
+    assert done.exit_code == 0, done.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
+    # a plan without cp_plan is fine where the class declares one (the runtime then uses the class's)
+    from dataclasses import replace
+
+    from preshard.plans.from_model import check_cp_plan
+
+    plan = replace(read_manifest(checkpoints["qwenimage"]).plan, cp_plan=None)
+    check_cp_plan(plan, {"_class_name": "QwenImageTransformer2DModel"}, 2)
+    check_cp_plan(plan, {"_class_name": "MiniMaxH3Transformer3DModel"}, 4)
+    with pytest.raises(PlanError, match="declares no _cp_plan"):
+        check_cp_plan(plan, {"_class_name": "QwenImage21Transformer2DModel"}, 2)
+    check_cp_plan(plan, {"_class_name": "QwenImage21Transformer2DModel"}, 1)
+
+
+def test_the_planner_offers_no_cp_split_where_no_cp_plan_exists(tmp_path):
+    from preshard.tools.planner import plan_meshes, plan_table
+
+    for name, cp_possible in (("qwenimage21", False), ("qwenimage", True)):
+        report = plan_meshes(save(build(name)[0], tmp_path / name), devices=4, device_memory_gib=1)
+        assert any(m.ring * m.ulysses > 1 for m in report.meshes) == cp_possible, name
+        assert (report.no_cp is None) == cp_possible
+        assert report.recommended is not None and report.recommended.world_size == 4
+        assert ("no CP splits" in plan_table(report)) != cp_possible
+
+
+def test_the_builtin_minimax_plan_carries_the_cp_plan_the_class_declares():
+    """The built-in plan holds MiniMax-H3's CP plan itself, so a manifest says how CP splits without diffusers'
+    help; it must stay what the class declares."""
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    from preshard.plans.from_model import cp_plan_from_diffusers
+    from preshard.plans.registry import load_plan
+
+    assert load_plan("minimax-h3").cp_plan == cp_plan_from_diffusers(MiniMaxH3Transformer3DModel._cp_plan)

@@ -1,6 +1,6 @@
-"""Tiny random-weight diffusers models that declare their own `_tp_plan` (Flux, Flux.2, QwenImage), with a
-valid input for each. Weights are seeded, every Linear scaled by 1/sqrt(fan_in) and every norm weight near 1,
-so outputs stay O(1) and a float32 comparison at 1e-5 means something."""
+"""Tiny random-weight diffusers models that declare their own `_tp_plan` (Flux, Flux.2, QwenImage, QwenImage 2.1),
+with a valid input for each. Weights are seeded, every Linear scaled by 1/sqrt(fan_in) and every norm weight near
+1, so outputs stay O(1) and a float32 comparison at 1e-5 means something."""
 
 from __future__ import annotations
 
@@ -67,7 +67,26 @@ def _qwen():
     return QwenImageTransformer2DModel(**config), inputs
 
 
-BUILDERS = {"flux": _flux, "flux2": _flux2, "qwenimage": _qwen}
+def _qwen21():
+    from diffusers import QwenImage21Transformer2DModel
+
+    config = dict(
+        patch_size=1, in_channels=8, out_channels=8, num_layers=2, attention_head_dim=16, num_attention_heads=4,
+        context_in_dim=32, mlp_ratio=3, axes_dims_rope=(4, 6, 6),
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(14)
+    height, width = 4, 4  # one target image of 16 latent tokens: 4 image slots of 2x2 tokens after the text
+    inputs = dict(
+        hidden_states=torch.randn(1, height * width, 8, generator=g),
+        encoder_hidden_states=torch.randn(1, TEXT, 32, generator=g),
+        timestep=torch.tensor([0.5]),
+        img_shapes=[[(1, height, width)]],
+        img_mask=torch.tensor([[False] * TEXT + [True] * (height * width // 4)]),
+    )
+    return QwenImage21Transformer2DModel(**config), inputs
+
+
+BUILDERS = {"flux": _flux, "flux2": _flux2, "qwenimage": _qwen, "qwenimage21": _qwen21}
 
 
 def build(name: str, seed: int = 0):

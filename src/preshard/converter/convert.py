@@ -138,7 +138,7 @@ def plan_conversion(
     chosen = choose_plan(plan, src.config)
     layouts = resolve_plan(chosen, src.shapes(), mesh.tp, cast=cast, config=src.config or {})
     if check_model:
-        check_plan_against_model(chosen, src.config, mesh.tp)
+        check_plan_against_model(chosen, src.config, mesh.tp, mesh.cp)
     order = src.read_order()
     files = place_records([layouts[name] for name in order], mesh.tp)
     return ConversionPlan(src, chosen, mesh, cast, layouts, files, order)
@@ -293,7 +293,7 @@ class _Background:
     failed; `result` waits for it."""
 
     def __init__(self, check_model: bool, job: ConversionPlan) -> None:
-        self._check = (job.plan, job.source.config, job.mesh.tp) if check_model else None
+        self._check = (job.plan, job.source.config, job.mesh.tp, job.mesh.cp) if check_model else None
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
 

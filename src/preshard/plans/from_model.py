@@ -211,22 +211,52 @@ def cp_plan_from_diffusers(plan: dict[Any, Any]) -> dict[str, CPEntry]:
     return result
 
 
-def check_plan_against_model(plan: Plan, config: dict[str, Any] | None, tp: int) -> None:
-    """At conversion time, the attention attributes the plan divides exist on the model and divide by `tp`.
+def _declared_class(config: dict[str, Any] | None) -> type | None:
+    """The diffusers class config.json's `_class_name` names, or None where there is none to import."""
+    class_name = (config or {}).get("_class_name")
+    if not isinstance(class_name, str):
+        return None
+    try:
+        return import_model_class(class_name)
+    except PlanError:
+        return None
+
+
+def check_cp_plan(plan: Plan, config: dict[str, Any] | None, cp: int) -> None:
+    """A CP mesh (`cp` = ring x ulysses > 1) needs a CP plan: the plan's own, or the model class's `_cp_plan`
+    (what the runtime uses): refused when converting rather than by every rank at load. Imports diffusers (~2 s)
+    unless the plan has its own; an unknown class is not checked.
+
+    Raises:
+        PlanError: neither the plan nor the model class has one.
+    """
+    if cp <= 1 or plan.cp_plan:
+        return
+    cls = _declared_class(config)
+    if cls is not None and not getattr(cls, "_cp_plan", None):
+        raise PlanError(
+            f"plan {plan.name} has no cp_plan and {cls.__name__} declares no _cp_plan, so no rank could load a "
+            f"context-parallel mesh (ring x ulysses = {cp}): use ring=1 and ulysses=1 (--cp 1), or add a cp_plan "
+            "to a plan file"
+        )
+
+
+def check_plan_against_model(plan: Plan, config: dict[str, Any] | None, tp: int, cp: int = 1) -> None:
+    """At conversion time, the attention attributes the plan divides exist on the model and divide by `tp`, and a
+    CP mesh (`cp` = ring x ulysses > 1) has a CP plan (`check_cp_plan`).
 
     Needs the model class (from diffusers, named by config.json's `_class_name`); without it the same checks
     run at load time instead.
 
     Raises:
-        PlanError: an attention attribute that is missing, not an integer, or not divisible by `tp`.
+        PlanError: an attention attribute that is missing, not an integer, or not divisible by `tp`; a CP mesh
+            with no CP plan anywhere.
     """
     rules = [rule for rule in plan.attention if rule.divide]
-    class_name = (config or {}).get("_class_name")
-    if not rules or not isinstance(class_name, str):
-        return
-    try:
-        cls = import_model_class(class_name)
-    except PlanError:
+    if rules or (cp > 1 and not plan.cp_plan):
+        check_cp_plan(plan, config, cp)
+    cls = _declared_class(config) if rules else None
+    if cls is None:
         return
     model = build_on_meta(cls, config or {})
     for rule in rules:

@@ -28,11 +28,12 @@ from typing import Any
 import torch
 import xxhash
 
-from preshard.errors import OutputError, UsageError
+from preshard.errors import OutputError, PlanError, UsageError
 from preshard.format.dtypes import dtype_name, parse_cast
 from preshard.format.layout import FileLayout, TensorLayout, place_records
 from preshard.format.mesh import MeshSpec
 from preshard.format.plan import Plan, resolve_plan, valid_tp_degrees
+from preshard.plans.from_model import check_cp_plan
 from preshard.plans.registry import choose_plan
 from preshard.sources import CheckpointSource, HeaderSource, open_source_headers
 from preshard.units import human_bytes
@@ -100,6 +101,7 @@ class PlanReport:
     meshes: list[MeshEstimate]
     recommended: MeshEstimate | None
     reason: str
+    no_cp: str | None = None  # why no mesh has CP (no CP plan anywhere), else None
 
 
 def rank_bytes(layouts: dict[str, TensorLayout], order: list[str], tp: int) -> RankBytes:
@@ -186,10 +188,17 @@ def plan_meshes(
     heads = config.get("num_attention_heads")
     heads = heads if isinstance(heads, int) and not isinstance(heads, bool) else None
 
+    no_cp = None
+    if devices is not None and devices > 1:  # a CP split needs a CP plan, the plan's or the model class's
+        try:
+            check_cp_plan(chosen, config, 2)
+        except PlanError as exc:  # only TP meshes can load: list no CP split
+            no_cp = str(exc).split(", so ")[0]
+
     meshes: list[MeshEstimate] = []
     for tp in [d for d in degrees if devices is None or d <= devices]:
         per_rank = rank_bytes(resolve_plan(chosen, shapes, tp, cast=cast, config=config), order, tp)
-        if devices is not None and devices % tp == 0:
+        if devices is not None and devices % tp == 0 and (no_cp is None or tp == devices):
             splits = [(ring, devices // tp // ring) for ring in _divisors(devices // tp)]
         else:
             splits = [(1, 1)]
@@ -227,6 +236,7 @@ def plan_meshes(
         meshes=meshes,
         recommended=recommended,
         reason=reason,
+        no_cp=no_cp,
     )
 
 
@@ -321,6 +331,8 @@ def plan_table(report: PlanReport) -> str:
         cells = [cell.rjust(w) if i in right else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))]
         lines.append("  ".join(cells).rstrip())
     lines.append("")
+    if report.no_cp:
+        lines.append(f"no CP splits: {report.no_cp}; every rank must be a TP rank.")
     best = report.recommended
     if best is not None:
         lines.append(

@@ -29,6 +29,7 @@ from preshard.errors import OutputError
 from preshard.format.jsonio import fsync_file, write_json_atomic
 from preshard.format.manifest import DCP_METADATA_NAME, MANIFEST_NAME, Manifest
 from preshard.format.mesh import MeshSpec
+from preshard.plans.from_model import check_cp_plan
 from preshard.sources.presharded import PreshardedSource, open_presharded
 from preshard.units import human_bytes
 
@@ -77,6 +78,10 @@ def reshard_checkpoint(
     new_mesh = resolve_mesh(mesh, tp, cp, ring, ulysses, order, default=source.manifest.mesh)
     output = Path(output)
     if new_mesh.tp == source.manifest.tp:
+        # The data stay; only the CP layout can be new, and it needs a CP plan somewhere (the plan's or the class's):
+        # known to exist where the input already has CP (its conversion checked), else checked here.
+        if source.manifest.mesh.cp == 1:
+            check_cp_plan(source.manifest.plan, source.config, new_mesh.cp)
         return _relink(source, output, new_mesh, overwrite=overwrite, wait=wait)
     job = plan_conversion(source, mesh=new_mesh, plan=source.manifest.plan, dtype=source.manifest.dtype)
     return write_conversion(job, output, overwrite=overwrite, wait=wait, progress=progress)
