@@ -587,6 +587,7 @@ def test_cli_overwrite_refuses_a_folder_that_is_not_a_checkpoint(tiny_src, tmp_p
     (out / "sub").mkdir(parents=True)
     (out / "weights.safetensors").write_bytes(b"precious")
     (out / "sub" / "notes.txt").write_text("keep me\n")
+    (out / "manifest.json").write_text('{"format": "another-tool"}')  # a manifest, but not a preshard one
     before = _snapshot(tmp_path)
     args = [str(tiny_src), str(out), "--tp", "2", "--overwrite", "--no-progress"] + (["--dry-run"] if dry else [])
     refused = _runner().invoke(convert_checkpoint_command, args)

@@ -29,7 +29,7 @@ from preshard.converter.writer import RecordFileWriter
 from preshard.errors import CorruptCheckpointError, OutputError
 from preshard.format.jsonio import fsync_dir
 from preshard.format.layout import ChunkRecord, FileLayout, data_file_name
-from preshard.format.manifest import MANIFEST_NAME
+from preshard.format.manifest import MANIFEST_FORMAT, MANIFEST_NAME
 from preshard.units import human_bytes
 
 JOURNAL_NAME = "journal.jsonl"
@@ -53,7 +53,15 @@ class OutputKind:
 
 
 def _is_checkpoint(folder: Path) -> bool:
-    return (folder / MANIFEST_NAME).is_file()
+    """A folder whose manifest.json says it is a preshard manifest (any version: a v1 checkpoint is replaceable)."""
+    path = folder / MANIFEST_NAME
+    if path.is_symlink() or not path.is_file():
+        return False
+    try:
+        data = json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(data, dict) and data.get("format") == MANIFEST_FORMAT
 
 
 def _is_safetensors_folder(folder: Path) -> bool:
@@ -63,7 +71,7 @@ def _is_safetensors_folder(folder: Path) -> bool:
     )
 
 
-CHECKPOINT = OutputKind(f"a preshard checkpoint (it has no {MANIFEST_NAME})", _is_checkpoint)
+CHECKPOINT = OutputKind(f"a preshard checkpoint (it has no preshard {MANIFEST_NAME})", _is_checkpoint)
 SAFETENSORS_FOLDER = OutputKind(
     "a safetensors checkpoint (only *.safetensors and *.json files)", _is_safetensors_folder
 )
