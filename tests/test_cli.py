@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
+from clitools import cli_runner
 
 from preshard import __version__
 from preshard.cli import _hub_progress, convert_checkpoint_command, main
@@ -22,13 +22,6 @@ from preshard.progress import Progress
 
 ROOT = Path(__file__).resolve().parents[1]
 EXIT_CODES = "Exit status: 0 ok, 1 verify found problems, 2 usage or input error, 130 interrupted (SIGINT), 143"
-
-
-def _runner() -> CliRunner:
-    try:
-        return CliRunner(mix_stderr=False)
-    except TypeError:
-        return CliRunner()
 
 
 def _env() -> dict[str, str]:
@@ -47,7 +40,7 @@ def checkpoint(converted) -> Path:
 
 def test_version_on_both_entry_points():
     for command, name in ((main, "preshard"), (convert_checkpoint_command, "convert-checkpoint")):
-        run = _runner().invoke(command, ["--version"])
+        run = cli_runner().invoke(command, ["--version"])
         assert run.exit_code == 0 and run.stdout.strip() == f"{name}, version {__version__}", run.stdout
     proc = subprocess.run(
         [sys.executable, "-m", "preshard.cli", "--version"], capture_output=True, text=True, timeout=60, env=_env()
@@ -57,9 +50,9 @@ def test_version_on_both_entry_points():
 
 def test_exit_codes_are_in_every_help_and_in_the_readme():
     for args in ([], ["convert"], ["inspect"], ["verify"], ["plan"], ["demo"]):
-        run = _runner().invoke(main, [*args, "--help"])
+        run = cli_runner().invoke(main, [*args, "--help"])
         assert run.exit_code == 0 and EXIT_CODES in " ".join(run.stdout.split()), (args, run.stdout)
-    run = _runner().invoke(convert_checkpoint_command, ["-h"])
+    run = cli_runner().invoke(convert_checkpoint_command, ["-h"])
     assert EXIT_CODES in " ".join(run.stdout.split())
     readme = (ROOT / "README.md").read_text()
     section = readme[readme.index("### Exit status") :]
@@ -68,7 +61,7 @@ def test_exit_codes_are_in_every_help_and_in_the_readme():
 
 
 def test_inspect_json(checkpoint):
-    run = _runner().invoke(main, ["inspect", str(checkpoint), "--json"])
+    run = cli_runner().invoke(main, ["inspect", str(checkpoint), "--json"])
     assert run.exit_code == 0, run.stderr
     data = json.loads(run.stdout)
     assert data["mesh"]["tp"] == 2 and len(data["files"]) == 2 and len(data["tp_ranks"]) == 2
@@ -78,7 +71,7 @@ def test_inspect_json(checkpoint):
 
 
 def test_verify_json_exit_0_and_1(checkpoint, private_copy):
-    good = _runner().invoke(main, ["verify", str(checkpoint), "--json"])
+    good = cli_runner().invoke(main, ["verify", str(checkpoint), "--json"])
     assert good.exit_code == 0, good.stdout + good.stderr
     assert json.loads(good.stdout)["ok"] is True and json.loads(good.stdout)["problems"] == []
 
@@ -86,14 +79,14 @@ def test_verify_json_exit_0_and_1(checkpoint, private_copy):
     data = bytearray((damaged / "__1_0.distcp").read_bytes())
     data[len(data) // 2] ^= 0xFF
     (damaged / "__1_0.distcp").write_bytes(bytes(data))
-    bad = _runner().invoke(main, ["verify", str(damaged), "--json"])
+    bad = cli_runner().invoke(main, ["verify", str(damaged), "--json"])
     assert bad.exit_code == 1
     report = json.loads(bad.stdout)  # still one JSON document on stdout
     assert report["ok"] is False and any("__1_0.distcp" in p for p in report["problems"])
 
 
 def test_plan_json(source):
-    run = _runner().invoke(main, ["plan", str(source), "--devices", "2", "--device-memory", "1", "--json"])
+    run = cli_runner().invoke(main, ["plan", str(source), "--devices", "2", "--device-memory", "1", "--json"])
     assert run.exit_code == 0, run.stderr
     meshes = json.loads(run.stdout)
     assert {(m["tp"], m["ring"], m["ulysses"]) for m in meshes} == {(1, 1, 2), (1, 2, 1), (2, 1, 1)}
@@ -108,11 +101,11 @@ def test_progress_flag_spelling_and_defaults(command, source, checkpoint, tmp_pa
         word, cli = "converting", convert_checkpoint_command
     else:
         base, word, cli = ["verify", str(checkpoint)], "verifying", main
-    shown = _runner().invoke(cli, [*base, "--progress"])
+    shown = cli_runner().invoke(cli, [*base, "--progress"])
     assert shown.exit_code == 0, shown.stderr
     assert re.search(rf"^{word}: 100% \(.+ of .+\)$", shown.stderr, re.M), shown.stderr
     for flags in (["--no-progress"], []):
-        quiet = _runner().invoke(cli, [*base, *flags])
+        quiet = cli_runner().invoke(cli, [*base, *flags])
         assert quiet.exit_code == 0 and word not in quiet.stderr, (flags, quiet.stderr)
 
 
@@ -146,20 +139,20 @@ def test_hub_download_bars_follow_the_progress_flag(monkeypatch):
 
 def test_inspect_names_a_missing_path(tmp_path):
     missing = tmp_path / "no-such-checkpoint"
-    run = _runner().invoke(main, ["inspect", str(missing)])
+    run = cli_runner().invoke(main, ["inspect", str(missing)])
     assert run.exit_code == 2
     assert run.stderr.splitlines() == [
         f"error: checkpoint {missing} does not exist; pass the folder convert-checkpoint wrote"
     ]
     empty = tmp_path / "empty"
     empty.mkdir()
-    run = _runner().invoke(main, ["inspect", str(empty)])
+    run = cli_runner().invoke(main, ["inspect", str(empty)])
     assert run.exit_code == 2 and f"{empty} is not a complete preshard checkpoint" in run.stderr
 
 
 def test_usage_errors_are_one_line_exit_2(source):
     for args in (["plan"], ["convert", str(source)], ["plan", str(source), "--devices", "x"], ["nope"]):
-        run = _runner().invoke(main, args)
+        run = cli_runner().invoke(main, args)
         lines = run.stderr.splitlines()
         assert run.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (args, run.stderr)
         assert "Traceback" not in run.stdout + run.stderr
@@ -172,7 +165,7 @@ def test_keyboard_interrupt_outside_a_conversion_exits_130(source, monkeypatch):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(planner, "plan_meshes", interrupted)
-    run = _runner().invoke(main, ["plan", str(source)])
+    run = cli_runner().invoke(main, ["plan", str(source)])
     assert run.exit_code == 130 and run.stderr.strip() == "error: interrupted"
 
 

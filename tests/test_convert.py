@@ -11,12 +11,11 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
+from clitools import assert_one_line, cli_runner, console_script
 from multiproc import init_gloo, run_ranks
 from oracle import (
     TINY_RULES,
@@ -297,7 +296,7 @@ def _files_of_tp_rank(manifest, tp_rank: int) -> list[str]:
 )
 def test_manifest_records_the_mesh_layout(tiny_src, tmp_path, args, mesh, coords):
     out = tmp_path / "out"
-    result = _runner().invoke(convert_checkpoint_command, [str(tiny_src), str(out), *args, "--no-progress"])
+    result = cli_runner().invoke(convert_checkpoint_command, [str(tiny_src), str(out), *args, "--no-progress"])
     assert result.exit_code == 0, result.output
     assert "mesh tp=2" in result.stdout
     manifest = json.loads((out / "manifest.json").read_text())
@@ -497,20 +496,8 @@ def _snapshot(folder: Path) -> dict[str, bytes | None]:
     return {str(p.relative_to(folder)): (p.read_bytes() if p.is_file() else None) for p in folder.rglob("*")}
 
 
-def _runner() -> CliRunner:
-    """stdout and stderr kept apart (the default from click 8.2 on; click 8.1 needs mix_stderr=False)."""
-    try:
-        return CliRunner(mix_stderr=False)
-    except TypeError:
-        return CliRunner()
-
-
 def _assert_one_line_error(exit_code: int, stdout: str, stderr: str, needle: str) -> None:
-    assert exit_code == 2, (exit_code, stdout, stderr)
-    lines = stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
-    assert needle in lines[0], lines[0]
-    assert "Traceback" not in stdout + stderr
+    assert_one_line(exit_code, stderr, 2, needle, stdout=stdout)
 
 
 CASE_NAMES = [
@@ -532,26 +519,18 @@ CASE_NAMES = [
 def test_cli_errors_are_one_line_and_leave_nothing(tiny_src, tmp_path, case):
     args, needle = _error_cases(tiny_src, tmp_path)[case]
     before = _snapshot(tmp_path)
-    result = _runner().invoke(convert_checkpoint_command, args)
+    result = cli_runner().invoke(convert_checkpoint_command, args)
     assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
     _assert_one_line_error(result.exit_code, result.stdout, result.stderr, needle)
     assert _snapshot(tmp_path) == before  # no output, no partial folder, the occupied folder untouched
     assert not list(tmp_path.rglob("manifest.json"))
 
 
-def _console_script(name: str) -> str:
-    beside = Path(sys.executable).parent / name
-    found = str(beside) if beside.is_file() else shutil.which(name)
-    if found is None:
-        pytest.skip(f"console script {name} is not installed")
-    return found
-
-
 def test_cli_error_in_a_real_process(tiny_src, tmp_path):
     args, needle = _error_cases(tiny_src, tmp_path)["tp not dividing"]
     before = _snapshot(tmp_path)
     proc = subprocess.run(
-        [_console_script("convert-checkpoint"), *args],
+        [console_script("convert-checkpoint"), *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -562,7 +541,7 @@ def test_cli_error_in_a_real_process(tiny_src, tmp_path):
 
 def test_cli_overwrite_replaces_an_existing_output(tiny_src, tmp_path):
     out = tmp_path / "out"
-    runner = _runner()
+    runner = cli_runner()
     first = runner.invoke(convert_checkpoint_command, [str(tiny_src), str(out), "--tp", "2", "--no-progress"])
     assert first.exit_code == 0, first.output
     (out / "stray.txt").write_text("left over\n")
@@ -590,7 +569,7 @@ def test_cli_overwrite_refuses_a_folder_that_is_not_a_checkpoint(tiny_src, tmp_p
     (out / "manifest.json").write_text('{"format": "another-tool"}')  # a manifest, but not a preshard one
     before = _snapshot(tmp_path)
     args = [str(tiny_src), str(out), "--tp", "2", "--overwrite", "--no-progress"] + (["--dry-run"] if dry else [])
-    refused = _runner().invoke(convert_checkpoint_command, args)
+    refused = cli_runner().invoke(convert_checkpoint_command, args)
     _assert_one_line_error(refused.exit_code, refused.stdout, refused.stderr, "is not a preshard checkpoint")
     assert "manifest.json" in refused.stderr and "remove the folder yourself" in refused.stderr
     assert _snapshot(tmp_path) == before  # nothing written, not even a lock file
@@ -599,7 +578,7 @@ def test_cli_overwrite_refuses_a_folder_that_is_not_a_checkpoint(tiny_src, tmp_p
 def test_inspect_prints_mesh_files_and_bytes_per_rank(mixed):
     out = mixed(2, cp=2)
     manifest = read_manifest(out)
-    result = _runner().invoke(main, ["inspect", str(out)])
+    result = cli_runner().invoke(main, ["inspect", str(out)])
     assert result.exit_code == 0, result.output
     text = result.stdout
     assert "tp=2 x ring=1 x ulysses=2" in text and "world size 4" in text

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
+from clitools import assert_one_line, cli_runner
 from fake_hub import FakeHub, fake_commit, make_hf_cache
 from hub_fixtures import HfEnv
 from multiproc import init_gloo, run_ranks
@@ -25,13 +25,6 @@ from preshard.runtime.hub import fetch_rank_files, rank_files
 
 REPO = "org/h3"
 SUB = "transformer"
-
-
-def _runner() -> CliRunner:
-    try:
-        return CliRunner(mix_stderr=False)
-    except TypeError:  # click >= 8.2 keeps them apart by default
-        return CliRunner()
 
 
 def folder_files(folder: Path, prefix: str = "") -> dict[str, bytes]:
@@ -54,17 +47,13 @@ def transformer_paths(files: dict[str, bytes]) -> list[str]:
 
 
 def cli(*args: str, command=None):
-    result = _runner().invoke(command or main, list(args))
+    result = cli_runner().invoke(command or main, list(args))
     assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
     return result
 
 
 def assert_one_line_error(result, *needles: str) -> None:
-    assert result.exit_code == 2, (result.exit_code, result.stdout, result.stderr)
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
+    assert_one_line(result.exit_code, result.stderr, 2, *needles, stdout=result.stdout)
 
 
 def convert(*args: str):

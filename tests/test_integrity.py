@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from clitools import assert_one_line, console_script
 from multiproc import init_gloo, run_ranks
 from torch import nn
 
@@ -63,16 +64,6 @@ def tree_hash(folder: Path) -> str:
     for path in sorted(p for p in Path(folder).rglob("*") if p.is_file()):
         digest.update(str(path.relative_to(folder)).encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
-
-
-def assert_one_line(exit_code: int, stderr: str, status: int, *fragments: str) -> str:
-    lines = stderr.splitlines()
-    assert exit_code == status, (exit_code, stderr)
-    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
-    assert "Traceback" not in stderr and "Exception ignored" not in stderr
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
-    return lines[0]
 
 
 def cli(*args) -> tuple[int, str, str]:
@@ -128,14 +119,6 @@ def test_signals_at_random_moments_through_the_cli(zygote, crash_source, tmp_pat
     assert tree_hash(source) == before
 
 
-def _console_script(name: str) -> str:
-    beside = Path(sys.executable).parent / name
-    found = str(beside) if beside.is_file() else shutil.which(name)
-    if found is None:
-        pytest.skip(f"console script {name} is not installed")
-    return found
-
-
 @needs_proc
 @pytest.mark.timeout(120)
 def test_the_real_script_stops_cleanly_on_sigint_and_sigterm_mid_write(crash_source, tmp_path):
@@ -145,7 +128,7 @@ def test_the_real_script_stops_cleanly_on_sigint_and_sigterm_mid_write(crash_sou
     out = tmp_path / "out"
     for signum, status, word in ((signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")):
         proc = subprocess.Popen(
-            [_console_script("convert-checkpoint"), source, out, "--tp", "4", "--plan", plan, "--no-progress"],
+            [console_script("convert-checkpoint"), source, out, "--tp", "4", "--plan", plan, "--no-progress"],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

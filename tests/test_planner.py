@@ -21,7 +21,7 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
+from clitools import cli_runner
 
 from preshard.cli import convert_checkpoint_command, main
 from preshard.format.manifest import read_manifest
@@ -32,13 +32,6 @@ pytest.importorskip("diffusers")
 
 GIB = 1 << 30
 SRC = Path(__file__).resolve().parents[1] / "src"
-
-
-def _runner() -> CliRunner:
-    try:
-        return CliRunner(mix_stderr=False)
-    except TypeError:
-        return CliRunner()
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +172,7 @@ def test_plan_figures_equal_a_real_conversion(tiny_sources, converted):
 
 def test_plan_json_meshes_fill_the_devices_and_the_cast_is_counted(h3_full):
     folder, tensors, _ = h3_full
-    run = _runner().invoke(main, ["plan", str(folder), "--devices", "8", "--json"])
+    run = cli_runner().invoke(main, ["plan", str(folder), "--devices", "8", "--json"])
     assert run.exit_code == 0, run.stderr
     meshes = json.loads(run.stdout)
     required = {"tp", "ring", "ulysses", "weight_bytes_per_rank", "fits"}
@@ -216,7 +209,7 @@ def test_dry_run_writes_nothing_and_predicts_the_output(tiny_sources, tmp_path: 
     (parent / "neighbour.txt").write_text("untouched\n")
     before = _listing(parent)
 
-    dry = _runner().invoke(convert_checkpoint_command, [str(source), str(parent / "out"), "--tp", "2", "--dry-run"])
+    dry = cli_runner().invoke(convert_checkpoint_command, [str(source), str(parent / "out"), "--tp", "2", "--dry-run"])
 
     assert dry.exit_code == 0, dry.stderr
     assert _listing(parent) == before  # not even the probe's temporary file is left
@@ -224,7 +217,7 @@ def test_dry_run_writes_nothing_and_predicts_the_output(tiny_sources, tmp_path: 
     assert text.startswith("dry run: nothing was written")
     assert "tp=2 x ring=1 x ulysses=1" in text and "-> ok" in text and "time:      at least" in text
 
-    real = _runner().invoke(
+    real = cli_runner().invoke(
         convert_checkpoint_command, [str(source), str(parent / "out"), "--tp", "2", "--no-progress"]
     )
     assert real.exit_code == 0, real.stderr
@@ -238,7 +231,7 @@ def test_dry_run_json_gives_the_same_figures_and_json_needs_dry_run(tiny_sources
     source = tiny_sources("mixed")
     out = tmp_path / "out"
     args = [str(source), str(out), "--tp", "2", "--ulysses", "2"]
-    dry = _runner().invoke(convert_checkpoint_command, [*args, "--dry-run", "--json"])
+    dry = cli_runner().invoke(convert_checkpoint_command, [*args, "--dry-run", "--json"])
     assert dry.exit_code == 0, dry.stderr
     report = json.loads(dry.stdout)
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing written
@@ -247,12 +240,12 @@ def test_dry_run_json_gives_the_same_figures_and_json_needs_dry_run(tiny_sources
     assert report["weight_bytes_per_rank"] == report["own_bytes_per_rank"] + report["replicated_bytes_per_rank"]
     assert report["estimate_seconds_at_least"] > 0 and report["probe_bytes_per_second"]["write_fsync"] > 0
 
-    alone = _runner().invoke(convert_checkpoint_command, [*args, "--json", "--no-progress"])
+    alone = cli_runner().invoke(convert_checkpoint_command, [*args, "--json", "--no-progress"])
     assert alone.exit_code == 2 and alone.stderr.strip() == (
         "error: --json goes with --dry-run (a conversion prints one summary line); add --dry-run or drop --json"
     )
     assert not out.exists()
-    real = _runner().invoke(convert_checkpoint_command, [*args, "--no-progress"])
+    real = cli_runner().invoke(convert_checkpoint_command, [*args, "--no-progress"])
     assert real.exit_code == 0, real.stderr
     sizes = [(out / f.name).stat().st_size for f in read_manifest(out).files]
     assert report["data_file_bytes"] == sizes  # exact, from the record layout
@@ -290,7 +283,7 @@ def test_an_output_file_system_without_space_is_refused_before_any_write(
     monkeypatch.setattr(os, "open", watch_open)
     args = [str(source), str(parent / "out"), "--tp", "2", "--no-progress"] + (["--dry-run"] if dry else [])
 
-    run = _runner().invoke(convert_checkpoint_command, args)
+    run = cli_runner().invoke(convert_checkpoint_command, args)
 
     assert run.exit_code == 2, (run.stdout, run.stderr)
     lines = run.stderr.splitlines()
@@ -312,7 +305,7 @@ def test_plan_errors_are_one_line(tmp_path: Path, h3_full):
         "bad plan": (["plan", str(folder), "--plan", "nope"], lambda m: "unknown plan" in m),
     }
     for name, (args, check) in cases.items():
-        run = _runner().invoke(main, args)
+        run = cli_runner().invoke(main, args)
         lines = run.stderr.splitlines()
         assert run.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (name, run.stderr)
         assert check(lines[0]), (name, lines[0])
