@@ -358,6 +358,24 @@ def test_xla_ring_pass_is_one_permute_with_the_same_pairs_on_every_rank(monkeypa
     assert pairs[0] == pairs[1] == [[0, 1], [1, 0], [2, 3], [3, 2]]
 
 
+def test_xla_cp_gather_finds_its_groups_for_any_axis_order(monkeypatch):
+    """With ring the faster axis, a cp group is [0, 2, 1, 3] in mesh order, but the process group (and so the
+    collective) knows its ranks sorted: the replica groups are registered sorted, and found."""
+    from preshard.format.mesh import MeshSpec
+
+    fake = FakeXla(monkeypatch, world_size=8, platform="TPU")
+    monkeypatch.setattr(C, "_XLA_REPLICA_GROUPS", {})
+    monkeypatch.setattr(C, "_is_xla", lambda group: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 8)
+    mesh = MeshSpec.build(tp=2, ring=2, ulysses=2, order="tp,ulysses,ring")
+    assert mesh.groups("cp") == [[0, 2, 1, 3], [4, 6, 5, 7]]
+    C.check_backend_supports("xla", {axis: mesh.groups(axis) for axis in ("tp", "ring", "ulysses", "cp")}, 8)
+    _as(monkeypatch, [4, 5, 6, 7])
+    C.all_gather_cat(torch.ones(2, 3), None, dim=1)
+    op, _, kwargs = fake.calls[-1]
+    assert (op, kwargs["groups"]) == ("all_gather", [[0, 1, 2, 3], [4, 5, 6, 7]])
+
+
 def test_xla_collective_over_an_unregistered_group_raises(monkeypatch, xla_world):
     _as(monkeypatch, [0, 3])
     with pytest.raises(C.CollectiveRuleViolation, match="check_backend_supports"):

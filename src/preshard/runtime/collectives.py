@@ -297,8 +297,11 @@ def check_backend_supports(
                 f"groups are {groups}; use a mesh whose axes multiply to the world size"
             )
     for groups in multi.values():
-        for g in groups:
-            _XLA_REPLICA_GROUPS[tuple(g)] = groups
+        # A process group's ranks are in ascending order (`dist.new_group` sorts them), and so is what its
+        # collectives gather: the replica groups must be too, or a cp group of a non-default order is not found.
+        ordered = [sorted(g) for g in groups]
+        for g in ordered:
+            _XLA_REPLICA_GROUPS[tuple(g)] = ordered
 
 
 def _is_xla(group: ProcessGroup | None) -> bool:
