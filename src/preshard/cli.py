@@ -113,10 +113,6 @@ def _progress_option(fn):
     )(fn)
 
 
-def _positive(name: str):
-    return click.option(f"--{name}", type=click.IntRange(min=1), default=None)
-
-
 @contextmanager
 def _hub_progress(progress: bool | None) -> Iterator[None]:
     """huggingface_hub's download bars follow --progress/--no-progress (off by default when stderr is no terminal)."""
@@ -283,10 +279,11 @@ def reshard_command(checkpoint, output, tp, cp, ring, ulysses, order, revision, 
     from preshard.tools.inspect import summary_line
     from preshard.tools.reshard import reshard_checkpoint
 
-    manifest = reshard_checkpoint(
-        checkpoint, output, tp=tp, cp=cp, ring=ring, ulysses=ulysses, order=order, revision=revision, token=token,
-        overwrite=overwrite, wait=wait, progress=progress,
-    )  # fmt: skip
+    with _hub_progress(progress):
+        manifest = reshard_checkpoint(
+            checkpoint, output, tp=tp, cp=cp, ring=ring, ulysses=ulysses, order=order, revision=revision,
+            token=token, overwrite=overwrite, wait=wait, progress=progress,
+        )  # fmt: skip
     click.echo(summary_line(manifest, output))
 
 
@@ -307,9 +304,10 @@ def unshard_command(checkpoint, output, revision, token, overwrite, progress):
     from preshard.tools.unshard import unshard_checkpoint
     from preshard.units import human_bytes
 
-    files = unshard_checkpoint(
-        checkpoint, output, revision=revision, token=token, overwrite=overwrite, progress=progress
-    )
+    with _hub_progress(progress):
+        files = unshard_checkpoint(
+            checkpoint, output, revision=revision, token=token, overwrite=overwrite, progress=progress
+        )
     size = sum(f.stat().st_size for f in files)
     click.echo(f"wrote {output}: {len(files)} files, {human_bytes(size)}; every file matches the source")
 

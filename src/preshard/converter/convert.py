@@ -12,11 +12,9 @@ folder, lock, journal and commit are `workdir`'s.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import gc
 import hashlib
 import json
-import os
 import threading
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -26,7 +24,7 @@ from typing import Any
 
 import torch
 
-from preshard.converter.parallel import Coordinator, active_coordinator, owned_files
+from preshard.converter.parallel import Coordinator, active_coordinator, owned_files, run_workers
 from preshard.converter.pipeline import TensorWork, WritePipeline
 from preshard.converter.signals import StopFlag, deferred_signals
 from preshard.converter.workdir import (
@@ -36,7 +34,6 @@ from preshard.converter.workdir import (
     check_space,
     commit,
     open_workdir,
-    open_writers,
     partial_dir,
     resume,
 )
@@ -52,7 +49,8 @@ from preshard.format.manifest import (
     FileRecord,
     Manifest,
     TensorRecord,
-    file_digest,
+    created_now,
+    read_manifest,
 )
 from preshard.format.mesh import MeshSpec
 from preshard.format.plan import Plan, resolve_plan
@@ -218,8 +216,6 @@ def convert_checkpoint(
             coordinator.fail(exc)  # so that the other processes stop too
         raise
     if workers > 1:
-        from preshard.converter.parallel import run_workers
-
         return run_workers(job, Path(output), workers=workers, overwrite=overwrite, wait=wait, progress=progress)
     return write_conversion(
         job, Path(output), overwrite=overwrite, wait=wait, progress=progress, coordinator=coordinator, check_model=True
@@ -380,11 +376,8 @@ class _Conversion:
                 self.config_bytes = src.config_bytes()
                 check_space(self.output, self.work, space_needed(job))
                 self.identity = src.identity()
-                resuming = open_workdir(self.work, _job_key(job))
-                done, opened = (
-                    resume(self.work, job.write_order, job.files, tp, self.check_stop) if resuming else ({}, {})
-                )
-                opened = opened or open_writers(self.work, tp, {})
+                open_workdir(self.work, _job_key(job))  # another job's partial is cleared: nothing to resume
+                done, opened = resume(self.work, job.write_order, job.files, tp, self.check_stop)
                 for r, w in opened.items():
                     if data_file_name(r) in self.mine:
                         self.writers[data_file_name(r)] = w
@@ -494,8 +487,6 @@ class _Conversion:
                 error = exc
         self.coord.exchange(None, error)
         if manifest is None:
-            from preshard.format.manifest import read_manifest
-
             manifest = read_manifest(self.output)
         return manifest
 
@@ -567,18 +558,6 @@ def _tensor_written(name: str) -> None:
         _after_tensor_hook(name)
 
 
-def _now() -> str:
-    """UTC now, or SOURCE_DATE_EPOCH (the reproducible-builds convention) so that two conversions of the same
-    source are byte-identical."""
-    epoch = os.environ.get("SOURCE_DATE_EPOCH")
-    when = (
-        datetime.datetime.fromtimestamp(int(epoch), datetime.timezone.utc)
-        if epoch and epoch.isdigit()
-        else datetime.datetime.now(datetime.timezone.utc)
-    )
-    return when.isoformat(timespec="seconds")
-
-
 def _manifest(
     job: ConversionPlan,
     records: dict[str, list[ChunkRecord]],
@@ -588,11 +567,7 @@ def _manifest(
 ) -> Manifest:
     from preshard import __version__
 
-    config = None
-    if config_bytes is not None:
-        digest = file_digest()
-        digest.update(config_bytes)
-        config = FileRecord(CONFIG_NAME, len(config_bytes), digest.hexdigest())
+    config = FileRecord.of(CONFIG_NAME, config_bytes) if config_bytes is not None else None
     tensors = {name: TensorRecord(job.layouts[name], tuple(records[name])) for name in sorted(records)}
     files = tuple(FileRecord(data_file_name(r), job.files.file_sizes[r], checksums[r]) for r in range(job.mesh.tp))
     return Manifest(
@@ -605,7 +580,7 @@ def _manifest(
         dtype=job.cast,
         derived_from=getattr(job.source, "derived_from", None),
         preshard_version=__version__,
-        created=_now(),
+        created=created_now(),
     ).sealed()
 
 

@@ -1,7 +1,7 @@
 """Parallel conversion: several processes, on one host or several sharing a file system, one output.
 
     convert-checkpoint SRC OUT --tp 8 --workers 4                       # 4 local processes
-    torchrun --nnodes 2 --nproc-per-node 4 ... -m preshard.converter.parallel SRC OUT --tp 8
+    torchrun --nnodes 2 --nproc-per-node 4 ... -m preshard.torchrun_convert SRC OUT --tp 8
 
 The data files are divided among the processes (contiguous runs of TP ranks, so that a colwise tensor's
 rows for one process are one range); each process reads only the source rows its files need (a column

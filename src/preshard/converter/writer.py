@@ -28,11 +28,10 @@ import torch
 import xxhash
 
 from preshard.errors import CorruptCheckpointError
-from preshard.format.fileio import pread_into
+from preshard.format.fileio import HASH_BLOCK, pread_into
 from preshard.format.layout import ChunkRecord
 from preshard.format.manifest import file_digest
 
-HASH_BLOCK = 8 << 20
 ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and memory: every block size in use is a divisor
 STAGE_BYTES = 8 << 20  # per writer; `stage_bytes` lowers it when many files are written at once
 # PRESHARD_DIRECT_IO=0 writes through the page cache (what a file system without O_DIRECT gets anyway).

@@ -29,7 +29,6 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "U64": torch.uint64,
     "BOOL": torch.bool,
 }
-SAFETENSORS_CODES: dict[torch.dtype, str] = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
 # torch name -> dtype, for exactly the dtypes a checkpoint may hold
 DTYPES_BY_NAME: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in SAFETENSORS_DTYPES.values()}
 

@@ -14,15 +14,12 @@ import torch
 
 from preshard.errors import CorruptCheckpointError
 
+HASH_BLOCK = 8 << 20  # files and chunks are read back for hashing in blocks this large
+
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor's storage (any dtype)."""
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
-
-
-def tensor_bytes(tensor: torch.Tensor):
-    """A zero-copy uint8 numpy view of a contiguous CPU tensor (for hashing and comparing)."""
-    return tensor.reshape(-1).view(torch.uint8).numpy()
 
 
 def pread_into(fd: int, offset: int, buffers: Sequence[memoryview | bytearray], where: str = "the file") -> None:

@@ -17,6 +17,8 @@ sizes, each record's framing, config.json's hash) and with `verify=True` per chu
 
 from __future__ import annotations
 
+import datetime
+import os
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -44,6 +46,18 @@ CHUNK_CHECKSUM = "xxh3_64"
 SOURCE_KINDS = ("file", "folder", "hub")
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")
+
+
+def created_now() -> str:
+    """UTC now, or SOURCE_DATE_EPOCH (the reproducible-builds convention) so that two conversions of the same
+    source are byte-identical."""
+    epoch = os.environ.get("SOURCE_DATE_EPOCH")
+    when = (
+        datetime.datetime.fromtimestamp(int(epoch), datetime.timezone.utc)
+        if epoch and epoch.isdigit()
+        else datetime.datetime.now(datetime.timezone.utc)
+    )
+    return when.isoformat(timespec="seconds")
 
 
 def file_digest() -> xxhash.xxh3_128:
@@ -91,6 +105,15 @@ class FileRecord:
     name: str
     size: int
     xxh3_128: str
+
+    @classmethod
+    def of(cls, name: str, data: bytes) -> FileRecord:
+        """The record of a small file held in memory (config.json)."""
+        return cls(name, len(data), xxhash.xxh3_128_hexdigest(data))
+
+    def matches(self, data: bytes) -> bool:
+        """`data` is the file this records: same size and xxh3_128."""
+        return len(data) == self.size and xxhash.xxh3_128_hexdigest(data) == self.xxh3_128
 
 
 @dataclass(frozen=True)
@@ -164,11 +187,12 @@ class Manifest:
             table.append({"rank": rank, "coords": coords, "files": files[coords["tp"]]})
         return table
 
-    def with_mesh(self, mesh: MeshSpec, derived_from: Provenance | None = None) -> Manifest:
-        """The same weights described for another CP layout (tp must not change); digest recomputed."""
+    def with_mesh(self, mesh: MeshSpec, derived_from: Provenance | None = None, **fields: Any) -> Manifest:
+        """The same weights described for another CP layout (tp must not change), with any other `fields`
+        replaced; digest recomputed."""
         if mesh.tp != self.tp:
             raise UsageError(f"a manifest for tp={self.tp} cannot describe tp={mesh.tp} without resharding")
-        return replace(self, mesh=mesh, derived_from=derived_from or self.derived_from).sealed()
+        return replace(self, mesh=mesh, derived_from=derived_from or self.derived_from, **fields).sealed()
 
     def body(self) -> dict[str, Any]:
         """Everything but the digest, as plain JSON data."""

@@ -98,8 +98,8 @@ def plan_from_model(model: nn.Module, config: dict[str, Any] | None = None) -> P
             linear.append(LinearRule(pattern, next(iter(styles.values()))))
         else:  # per-instance block sizes differ: one exact rule each
             linear += [LinearRule(name, style) for name, style in styles.items()]
-    attention = _attention_rules(model, modules)
-    _check_norms(model, modules, sharded, attention, origin)
+    attention = _attention_rules(modules)
+    _check_norms(modules, sharded, origin)
     config = config or {}
     return Plan(
         name=f"{cls.__name__}._tp_plan",
@@ -140,7 +140,7 @@ def _is_attention(module: nn.Module) -> bool:
     return hasattr(module, "processor") and callable(getattr(module, "set_processor", None))
 
 
-def _attention_rules(model: nn.Module, modules: dict[str, nn.Module]) -> list[AttentionRule]:
+def _attention_rules(modules: dict[str, nn.Module]) -> list[AttentionRule]:
     """One rule per attention module path with numbered blocks folded into `*` (only where the fold is exact)."""
     names = [name for name, m in modules.items() if name and _is_attention(m)]
     patterns: dict[str, None] = {}
@@ -163,13 +163,7 @@ def _norm_size(module: nn.Module) -> int | None:
     return None
 
 
-def _check_norms(
-    model: nn.Module,
-    modules: dict[str, nn.Module],
-    sharded: dict[str, Style],
-    attention: list[AttentionRule],
-    origin: str,
-) -> None:
+def _check_norms(modules: dict[str, nn.Module], sharded: dict[str, Style], origin: str) -> None:
     """A norm inside an attention module that spans a whole column-sharded projection cannot be split."""
     for name, module in modules.items():
         if not (name and _is_attention(module)):
@@ -252,9 +246,8 @@ def check_plan_against_model(plan: Plan, config: dict[str, Any] | None, tp: int,
         PlanError: an attention attribute that is missing, not an integer, or not divisible by `tp`; a CP mesh
             with no CP plan anywhere.
     """
+    check_cp_plan(plan, config, cp)
     rules = [rule for rule in plan.attention if rule.divide]
-    if rules or (cp > 1 and not plan.cp_plan):
-        check_cp_plan(plan, config, cp)
     cls = _declared_class(config) if rules else None
     if cls is None:
         return

@@ -24,7 +24,7 @@ from torch import nn
 from preshard.errors import CorruptCheckpointError, MismatchError, PlanError, UsageError
 from preshard.format.fileio import pread_bytes
 from preshard.format.jsonio import parse_json_text
-from preshard.format.manifest import Manifest, file_digest
+from preshard.format.manifest import Manifest
 from preshard.format.plan import matches
 
 
@@ -61,9 +61,7 @@ def read_checkpoint_config(checkpoint: Path, manifest: Manifest) -> dict[str, An
             raw = b"" if extra else pread_bytes(f.fileno(), 0, record.size, str(path))
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{path} is missing; copy the whole checkpoint folder again") from None
-    digest = file_digest()
-    digest.update(raw)
-    if extra or digest.hexdigest() != record.xxh3_128:
+    if extra or not record.matches(raw):
         raise CorruptCheckpointError(
             f"{path} differs from the config the checkpoint was converted with (its xxh3_128 does not match the "
             "manifest); restore the original config.json or convert again"

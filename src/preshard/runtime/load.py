@@ -87,11 +87,14 @@ def _load_sharded(
     cast = parse_cast(dtype, "dtype=")
     rank_device = init_rank_device(device)  # first: a rank of a Hub checkpoint must know its TP coordinate
 
+    fetched: list[Manifest] = []  # a Hub checkpoint's manifest, parsed once to pick the files to fetch
+
     def tp_rank_of(manifest: Manifest) -> int:
+        fetched.append(manifest)
         return _run_mesh(manifest, rank_device, mesh, cp, ring, ulysses, order).coords(rank_device.rank)["tp"]
 
     checkpoint = _local_checkpoint(checkpoint, revision, token, tp_rank_of)
-    manifest = read_manifest(checkpoint)
+    manifest = fetched[0] if fetched else read_manifest(checkpoint)
     config = read_checkpoint_config(checkpoint, manifest)
     run_mesh = _run_mesh(manifest, rank_device, mesh, cp, ring, ulysses, order)
     groups = build_groups(run_mesh, rank_device.rank)

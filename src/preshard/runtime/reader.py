@@ -42,7 +42,6 @@ class ReadStats:
     chunks: int = 0
     files: list[str] = field(default_factory=list)
     seconds: float = 0.0
-    verified: bool = False
 
 
 def check_files(checkpoint: Path, manifest: Manifest, names: list[str]) -> None:
@@ -112,7 +111,7 @@ class ShardReader:
         self.chunks = manifest.chunks_for_tp_rank(tp_rank)
         self.verify = verify
         self.pin = pin
-        self.stats = ReadStats(files=manifest.files_for_tp_rank(tp_rank), verified=verify)
+        self.stats = ReadStats(files=manifest.files_for_tp_rank(tp_rank))
         check_files(checkpoint, manifest, self.stats.files)
         self.fds: dict[str, int] = {}
 
@@ -137,8 +136,10 @@ class ShardReader:
             ((c, self._region(name, c, out)) for name, out in targets.items() for c in self.chunks[name]),
             key=lambda job: (job[0].file, job[0].offset),
         )
-        direct = [job for job in jobs if self._direct(job[0], job[1])]
-        staged = [job for job in jobs if not self._direct(job[0], job[1])]
+        direct: list[tuple[ChunkRecord, torch.Tensor]] = []
+        staged: list[tuple[ChunkRecord, torch.Tensor]] = []
+        for job in jobs:
+            (direct if self._direct(*job) else staged).append(job)
         for chunk, target in direct:
             self._read_direct(chunk, target)
         if staged:

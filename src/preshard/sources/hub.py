@@ -16,7 +16,6 @@ Every failure is a one-line `SourceError` naming the repo, revision or file, and
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -50,6 +49,7 @@ from huggingface_hub.errors import (
 from huggingface_hub.utils import validate_repo_id
 
 from preshard.errors import SourceError
+from preshard.format.jsonio import read_json
 
 try:  # the HTTP client huggingface_hub 2.x is built on: its connection and timeout errors
     from httpx2 import TransportError as _TransportError
@@ -138,7 +138,7 @@ def source_headers(
     config_path = _join(subfolder, "config.json")
     config = None
     if config_path in small:
-        config = _read_json(res.snapshot / config_path, f"{config_path} of {_where(res)}", "JSON")
+        config = _read_json(res.snapshot / config_path, f"{config_path} of {_where(res)}")
     return headers, config, res.commit
 
 
@@ -274,8 +274,8 @@ def _single_file(res: _Resolved, subfolder: str | None) -> list[str]:
 def _index_files(res: _Resolved, subfolder: str | None, index: str) -> list[str]:
     """The files `index` names, in its order (already downloaded: it is small)."""
     path = _join(subfolder, index)
-    data = _read_json(res.snapshot / path, f"{path} of {_where(res)}", "safetensors index")
-    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    data = _read_json(res.snapshot / path, f"{path} of {_where(res)}")
+    weight_map = data.get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise SourceError(
             f"{path} of {_where(res)} is not a valid safetensors index (needs a 'weight_map' of tensor -> file)"
@@ -475,11 +475,9 @@ def _where_of(repo_id: str, revision: str | None) -> str:
     return f"Hub repo {repo_id}" + (f" at revision {revision}" if revision else "")
 
 
-def _read_json(path: Path, what: str, kind: str) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        raise SourceError(f"{what} is not valid {kind}; fix the file in the repo") from None
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    """A small JSON object from the repo (config.json, an index); anything else is a one-line SourceError."""
+    return read_json(path, what, SourceError, "fix the file in the repo")
 
 
 def _first_line(exc: BaseException) -> str:

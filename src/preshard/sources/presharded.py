@@ -30,8 +30,8 @@ exactly as a direct conversion at the new degree does.
 
 from __future__ import annotations
 
+import functools
 import hashlib
-import json
 import math
 import os
 import threading
@@ -43,7 +43,8 @@ import torch
 import xxhash
 
 from preshard.errors import ChecksumMismatch, CorruptCheckpointError, SourceError
-from preshard.format.fileio import byte_view, pread_into
+from preshard.format.fileio import HASH_BLOCK, byte_view, pread_into
+from preshard.format.jsonio import parse_json_text
 from preshard.format.layout import ChunkRecord
 from preshard.format.manifest import (
     DCP_METADATA_NAME,
@@ -53,12 +54,10 @@ from preshard.format.manifest import (
     Source,
     TensorRecord,
     describe_chunk,
-    file_digest,
     read_manifest,
 )
 from preshard.sources.safetensors_file import SafetensorsHeader, parse_header
 
-HASH_BLOCK = 8 << 20  # re-hashing a chunk read out of order, and the cast check, go in blocks this large
 CAST_CHECK_ELEMS = 1 << 20
 
 
@@ -106,29 +105,20 @@ class PreshardedSource:
             raw = (self.folder / record.name).read_bytes()
         except OSError:
             raw = None
-        digest = file_digest()
-        digest.update(raw or b"")
-        if raw is None or len(raw) != record.size or digest.hexdigest() != record.xxh3_128:
+        if raw is None or not record.matches(raw):
             raise CorruptCheckpointError(
                 f"{self.given}: {record.name} is missing or differs from the one the checkpoint was converted with; "
                 "restore it from the source, or convert again"
             )
-        try:
-            config = json.loads(raw)
-        except ValueError:
-            config = None
+        config = parse_json_text(raw, f"{self.given}: {record.name}", CorruptCheckpointError, "restore it")
         if not isinstance(config, dict):
             raise CorruptCheckpointError(f"{self.given}: {record.name} is not a JSON object; restore it")
         return raw, config
 
     # -- the original source's layout, from the headers recorded in the manifest
 
-    def source_headers(self) -> list[SafetensorsHeader]:
-        """Each original source file's header (parsed from the manifest's copy), in the source's file order.
-
-        Raises:
-            CorruptCheckpointError: a recorded header that is not a valid safetensors header for its file size.
-        """
+    @functools.cached_property
+    def _source_headers(self) -> tuple[SafetensorsHeader, ...]:
         headers = []
         for f in self.manifest.source.files:
             try:
@@ -137,7 +127,15 @@ class PreshardedSource:
                 raise CorruptCheckpointError(
                     f"{self.given}: the manifest's record of source file {f.name} is not usable ({exc})"
                 ) from None
-        return headers
+        return tuple(headers)
+
+    def source_headers(self) -> list[SafetensorsHeader]:
+        """Each original source file's header (parsed once from the manifest's copy), in the source's file order.
+
+        Raises:
+            CorruptCheckpointError: a recorded header that is not a valid safetensors header for its file size.
+        """
+        return list(self._source_headers)
 
     # -- what the converter asks of any source (see preshard.sources.ConversionSource)
 

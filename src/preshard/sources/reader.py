@@ -28,11 +28,10 @@ from pathlib import Path
 import torch
 import xxhash
 
-from preshard.format.fileio import byte_view, pread_into
+from preshard.format.fileio import HASH_BLOCK, byte_view, pread_into
 from preshard.sources.local import CheckpointSource
 from preshard.sources.safetensors_file import TensorEntry
 
-HASH_BLOCK = 8 << 20
 ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and memory
 DIRECT_MIN_BYTES = 1 << 20  # smaller reads go through the page cache
 DIRECT_PARTS, DIRECT_PART_BYTES = 4, 4 << 20  # a direct read is split in up to 4 concurrent reads of >= 4 MiB

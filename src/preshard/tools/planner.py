@@ -21,7 +21,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -222,8 +222,8 @@ def plan_meshes(
             )
     recommended, reason = _recommend(meshes, memory, heads)
     if recommended is not None:
-        meshes = [m if m != recommended else _marked(m) for m in meshes]
-        recommended = _marked(recommended)
+        meshes = [replace(m, recommended=True) if m == recommended else m for m in meshes]
+        recommended = replace(recommended, recommended=True)
     return PlanReport(
         source=_source_label(src),
         plan=chosen.name,
@@ -238,10 +238,6 @@ def plan_meshes(
         reason=reason,
         no_cp=no_cp,
     )
-
-
-def _marked(mesh: MeshEstimate) -> MeshEstimate:
-    return MeshEstimate(**{**mesh.to_dict(), "recommended": True})
 
 
 def _recommend(meshes: list[MeshEstimate], memory: int | None, heads: int | None) -> tuple[MeshEstimate | None, str]:
@@ -495,7 +491,7 @@ def dry_run(
     except OutputError as exc:
         space_error = str(exc)
     hub = isinstance(src, HeaderSource)
-    source_bytes = sum(layout.source_dtype.itemsize * math.prod(layout.shape) for layout in job.layouts.values())
+    source_bytes = sum(layout.shape_bytes(source=True) for layout in job.layouts.values())
     notes = []
     measured = Probe()
     if probe:

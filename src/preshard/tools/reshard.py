@@ -16,18 +16,16 @@ existing folder writes new files and swaps the folder), so neither checkpoint ca
 
 from __future__ import annotations
 
-import datetime
 import errno
 import os
 import shutil
-from dataclasses import replace
 from pathlib import Path
 
 from preshard.converter.convert import plan_conversion, resolve_mesh, write_conversion
 from preshard.converter.workdir import commit, fresh_workdir
 from preshard.errors import OutputError
 from preshard.format.jsonio import fsync_file, write_json_atomic
-from preshard.format.manifest import DCP_METADATA_NAME, MANIFEST_NAME, Manifest
+from preshard.format.manifest import DCP_METADATA_NAME, MANIFEST_NAME, Manifest, created_now
 from preshard.format.mesh import MeshSpec
 from preshard.plans.from_model import check_cp_plan
 from preshard.sources.presharded import PreshardedSource, open_presharded
@@ -108,11 +106,9 @@ def _relink(source: PreshardedSource, output: Path, mesh: MeshSpec, *, overwrite
                 fsync_file(work / name)
             stop.check()
         source.check_unchanged(identity)
-        created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        new = replace(
-            manifest.with_mesh(mesh, derived_from=source.derived_from), preshard_version=__version__,
-            created=created,
-        ).sealed()  # fmt: skip
+        new = manifest.with_mesh(
+            mesh, derived_from=source.derived_from, preshard_version=__version__, created=created_now()
+        )
         write_json_atomic(work / MANIFEST_NAME, new.to_dict())
         stop.check()
         commit(work, output)

@@ -27,7 +27,6 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy
 import torch
 import xxhash
 
@@ -276,9 +275,7 @@ def _check_config(checkpoint: Path, manifest: Manifest, result: VerifyResult) ->
     except OSError:
         result.add(f"{record.name} is missing; load_sharded(ModelClass, ...) builds the model from it")
         return
-    digest = file_digest()
-    digest.update(raw)
-    if len(raw) != record.size or digest.hexdigest() != record.xxh3_128:
+    if not record.matches(raw):
         result.add(f"{record.name} differs from the config the checkpoint was converted with (size or xxh3_128)")
 
 
@@ -331,7 +328,7 @@ def _check_source(checkpoint: Path, manifest: Manifest, src, result: VerifyResul
                         continue
                     stored = bytearray(len(want))
                     pread_into(fds[c.file], c.data_offset + at, [stored], c.file)
-                    if not numpy.array_equal(numpy.frombuffer(stored, numpy.uint8), numpy.asarray(want)):
+                    if stored != want:  # bytearray against memoryview: one memcmp
                         if equal:
                             result.add(f"tensor {c.tensor}: {describe_chunk(c)} in {c.file} differs from the source")
                             result.damaged(c.tensor)
