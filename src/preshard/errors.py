@@ -43,6 +43,10 @@ class MismatchError(PreshardError):
     """The model, its config, or the running job disagrees with the checkpoint (tensors, shapes, world size)."""
 
 
+class InconsistentInputsError(MismatchError):
+    """The ranks of one sharded model were given different inputs (shapes, dtypes or values)."""
+
+
 class DeviceError(PreshardError):
     """The requested device or backend is not available, or the launch does not fit it."""
 

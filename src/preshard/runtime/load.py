@@ -15,6 +15,7 @@ from preshard.format.dtypes import parse_cast
 from preshard.format.manifest import Manifest, read_manifest
 from preshard.format.mesh import MeshSpec
 from preshard.runtime import collectives
+from preshard.runtime.consistency import parse_mode
 from preshard.runtime.construct import (
     build_model,
     check_against_manifest,
@@ -27,6 +28,7 @@ from preshard.runtime.devices import RankDevice, init_rank_device
 from preshard.runtime.groups import MeshGroups, build_groups
 from preshard.runtime.reader import ShardReader
 from preshard.runtime.report import REPORT_ATTRIBUTE, LoadReport
+from preshard.runtime.surface import attach_model_surface
 from preshard.runtime.tp import parallelize_linear
 
 
@@ -44,6 +46,7 @@ def load_sharded(
     verify: bool = False,
     revision: str | None = None,
     token: str | bool | None = None,
+    check_inputs: bool | str = True,
 ) -> nn.Module:
     """Load this rank's shard of a converted checkpoint into `model`, with the TP and CP hooks attached.
 
@@ -64,6 +67,8 @@ def load_sharded(
         verify: also check every chunk this rank reads against its xxh3_64 (the cheap structural and framing
             checks always run).
         revision, token: for a Hub repo.
+        check_inputs: compare a fingerprint of the tensor inputs across ranks on every forward and refuse a
+            difference (True, the default); False skips it; "broadcast" uses rank 0's inputs on every rank.
 
     Returns:
         The model, with `model.preshard_report` describing what was read and which hooks sit where.
@@ -75,16 +80,18 @@ def load_sharded(
     """
     return _load_sharded(
         model, checkpoint, mesh=mesh, cp=cp, ring=ring, ulysses=ulysses, order=order, device=device, dtype=dtype,
-        verify=verify, revision=revision, token=token,
+        verify=verify, revision=revision, token=token, check_inputs=check_inputs,
     )  # fmt: skip
 
 
 def _load_sharded(
-    model, checkpoint, *, mesh, cp, ring, ulysses, order, device, dtype, verify, revision, token, place_buffers=True
-) -> nn.Module:
+    model, checkpoint, *, mesh, cp, ring, ulysses, order, device, dtype, verify, revision, token, check_inputs=True,
+    place_buffers=True,
+) -> nn.Module:  # fmt: skip
     """`load_sharded`, with a switch tests use to leave buffers where the model put them."""
     start = time.perf_counter()
     cast = parse_cast(dtype, "dtype=")
+    input_mode = parse_mode(check_inputs)
     rank_device = init_rank_device(device)  # first: a rank of a Hub checkpoint must know its TP coordinate
 
     fetched: list[Manifest] = []  # a Hub checkpoint's manifest, parsed once to pick the files to fetch
@@ -141,6 +148,7 @@ def _load_sharded(
         from preshard.runtime.cp import attach_context_parallel
 
         attach_context_parallel(net, manifest.plan, groups, rank_device, report)
+    attach_model_surface(net, manifest, run_mesh, groups, rank_device, input_mode, report)
     net.requires_grad_(False)
     report.total_seconds = time.perf_counter() - start
     setattr(net, REPORT_ATTRIBUTE, report)
