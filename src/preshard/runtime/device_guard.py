@@ -1,4 +1,4 @@
-"""A sharded model stays on the device load_sharded put it on; dtype casts pass.
+"""A sharded model stays on the device load_sharded put it on; dtype casts pass, offloading is refused.
 
 Pipelines move their components (`pipe.to("cuda")`, `enable_model_cpu_offload`'s hooks, accelerate). For a
 sharded model a move to another device is always a mistake: its process groups and hooks are bound to the
@@ -6,6 +6,8 @@ rank's device, and on a multi-GPU host `"cuda:0"` is another rank's GPU. Every m
 `nn.Module._apply`, so the model's own `_apply` is wrapped (on the instance, nowhere else): the conversion
 is tried on an empty tensor on the rank's device first, and a different target device is refused in one line
 before any parameter moves. Casts (`.to(torch.bfloat16)`, `.half()`) and moves to the same device pass.
+accelerate's offloading hooks move parameters without `_apply` (sequential offloading replaces them on the
+meta device), so a forward pre-hook refuses a model that carries them, before they run.
 """
 
 from __future__ import annotations
@@ -49,3 +51,16 @@ def attach_device_guard(model: nn.Module, device: torch.device, world_size: int)
         return original(fn, recurse)
 
     model._apply = _apply  # type: ignore[method-assign]
+
+    def refuse_offload(module: nn.Module, args: tuple) -> None:
+        # accelerate's hooks (enable_*_cpu_offload, device maps) set `_hf_hook`; sequential offloading moves the
+        # parameters without `_apply`, so the first forward is where it shows.
+        if getattr(module, "_hf_hook", None) is not None:
+            raise DeviceError(
+                f"{name} is sharded over {world_size} ranks, but accelerate hooks were attached to it "
+                "(enable_model_cpu_offload, enable_sequential_cpu_offload or a device map), which move this rank's "
+                f"shard off {device}; leave the sharded model out of offloading: each rank already holds only its "
+                "shard"
+            )
+
+    model.register_forward_pre_hook(refuse_offload, prepend=True)
