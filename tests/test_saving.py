@@ -247,3 +247,15 @@ def test_the_saved_folder_loads_with_from_pretrained(saved, tiny_models):
     want = tiny_models("mixed").state_dict()
     assert set(loaded) == set(want)
     assert all(torch.equal(loaded[n].to(w.dtype), w) for n, w in want.items())  # bf16 -> fp32 -> bf16 is exact
+
+
+def test_one_process_without_a_process_group(converted, tiny_models, tmp_path):
+    """tp=1 in this process (no torch.distributed): save_pretrained writes the same folder, no exchange needed."""
+    from diffusers import MiniMaxH3Transformer3DModel as H3
+
+    from preshard.runtime.load import load_sharded
+
+    net = load_sharded(H3, converted("mixed", 1), device="cpu")
+    net.save_pretrained(tmp_path / "got", max_shard_size=SMALL_SHARDS)
+    tiny_models("mixed").save_pretrained(tmp_path / "want", max_shard_size=SMALL_SHARDS)
+    _same_folder(tmp_path / "got", tmp_path / "want")

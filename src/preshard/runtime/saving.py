@@ -311,8 +311,10 @@ def save_sharded(
         stale_index = None if split.is_sharded else _index_name(safe_serialization, variant)
         files.commit(weights_name, set(split.filename_to_tensors), stale_index)
     failure = files.failure if files is not None else None
-    status = torch.tensor([1 if failure is not None else 0], dtype=torch.int64, device=sharding.device)
-    failed_somewhere = int(collectives.all_reduce_sum(status, None).item())
+    failed_somewhere = failure is not None
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        status = torch.tensor([int(failed_somewhere)], dtype=torch.int64, device=sharding.device)
+        failed_somewhere = bool(collectives.all_reduce_sum(status, None).item())
     if failure is not None:
         raise failure
     if failed_somewhere:
