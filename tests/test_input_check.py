@@ -14,7 +14,7 @@ from multiproc import init_gloo, run_ranks
 
 from preshard.errors import PreshardError, UsageError
 from preshard.examples.minimax_h3 import make_inputs, reference_forward, tiny_config
-from preshard.runtime.consistency import _limb_sums, parse_mode
+from preshard.runtime.consistency import _word_sums, parse_mode
 
 pytestmark = pytest.mark.timeout(1200)  # the spawned ranks of each world size run every case first
 
@@ -28,7 +28,7 @@ FIX = "seed every rank's generator identically"
 
 
 def _fp(t: torch.Tensor) -> tuple[int, int]:
-    plain, weighted = _limb_sums(t, torch.device("cpu")).tolist()
+    plain, weighted = _word_sums(t, torch.device("cpu")).tolist()
     return plain, weighted
 
 
@@ -60,11 +60,15 @@ def test_fingerprint_reads_bits_not_layout():
     assert _fp(x.t()) == _fp(x.t().contiguous())  # a view fingerprints as its values
     assert _fp(torch.tensor([0.0])) != _fp(torch.tensor([-0.0]))  # bits, not numeric equality
     assert _fp(torch.empty(0, 5)) == (0, 0)
-    # Many elements: exact, no overflow. int64 -1 is four 16-bit limbs of -1; limb i weighs i % 1021 + 1.
-    limbs = 4 * 5_000_000
-    big = torch.full((5_000_000,), -1, dtype=torch.int64)
-    weighted = sum(range(1, 1022)) * (limbs // 1021) + sum(range(1, limbs % 1021 + 1))
-    assert _fp(big) == (-limbs, -weighted)
+    # Word i weighs i % 1021 + 1; the sums are exact (modulo 2**64), whatever the order of the reduction.
+    n = 5_000_000
+    weighted = sum(range(1, 1022)) * (n // 1021) + sum(range(1, n % 1021 + 1))
+    assert _fp(torch.full((n,), -1, dtype=torch.int64)) == (-n, -weighted)
+    huge = torch.full((n,), 2**62, dtype=torch.int64)  # wraps modulo 2**64: still equal for equal bytes
+    assert _fp(huge) == _fp(huge.clone()) != _fp(huge.roll(1) + 1)
+    odd = torch.arange(7, dtype=torch.uint8)  # 7 bytes: one partial word, little-endian
+    assert _fp(odd) == (sum(i << (8 * i) for i in range(7)),) * 2
+    assert _fp(torch.arange(10, dtype=torch.bfloat16)[1:]) == _fp(torch.arange(1, 10, dtype=torch.bfloat16))
 
 
 def test_check_inputs_values():

@@ -4,9 +4,9 @@ Every rank of a TP x CP mesh computes its slice of one forward pass over the *sa
 given other inputs (the usual cause: each rank seeds its own generator) makes every rank return plausible,
 wrong output, with no error. So a forward pre-hook, the first of the model's hooks (before CP splits
 anything), fingerprints every tensor input (args and kwargs, also inside lists, tuples and dicts): its
-name, dtype, shape and two sums over its raw bits in 16-bit limbs, accumulated in int64. The sums are
-exact integers, so equal inputs give equal fingerprints in any reduction order, and the position-weighted
-sum also changes when values are reordered. One all-gather of four int64 per rank compares them; only
+name, dtype, shape and two sums over its raw bytes read as int64 words, modulo 2**64. Integer sums are
+exact in any reduction order, so equal inputs give equal fingerprints on every rank, and the
+position-weighted sum also changes when values are reordered. One all-gather of four int64 per rank compares them; only
 when they differ does a second exchange find the argument, and every rank raises the same one-line
 `InconsistentInputsError`.
 
@@ -33,10 +33,10 @@ from preshard.runtime import collectives
 CHECK_ATTRIBUTE = "preshard_input_check"
 MODES = ("check", "broadcast", "off")
 
-_PRIME = 2_147_483_647  # 2**31 - 1: digest arithmetic stays far below int64 overflow
+_PRIME = 2_147_483_647  # 2**31 - 1: the digest's arithmetic stays far below int64 overflow
 _PERIOD = 1021  # position weights cycle with this period (prime, so strides rarely line up)
 _MAX_DIMS = 8
-# Row of one tensor input: name, dtype, ndim, numel, 8 dims, sum of limbs, position-weighted sum of limbs.
+# Row of one tensor input: name, dtype, ndim, numel, 8 dims, sum of words, position-weighted sum of words.
 _ROW = 4 + _MAX_DIMS + 2
 _VALUES = slice(_ROW - 2, _ROW)
 _ABSENT = -3  # padding rows of a rank with fewer inputs
@@ -152,19 +152,31 @@ def _crc(text: str) -> int:
     return zlib.crc32(text.encode())
 
 
-def _limb_sums(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """[sum of limbs, sum of limb * (position % 1021 + 1)], exact in int64, of `t`'s raw bits."""
+def _word_sums(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """[sum of words, sum of word * (position % 1021 + 1)] of `t`'s raw bytes read as int64 words, modulo 2**64.
+
+    Integer addition modulo 2**64 is exact and order-free, so every rank computes the same two numbers for the
+    same bytes (whatever its reduction order or thread count), and int64 sums run at memory speed. A tail of
+    fewer than 8 bytes counts as one more word.
+    """
     x = t.detach()
     if x.layout != torch.strided:
         x = x.to_dense()
     if x.is_complex():
         x = torch.view_as_real(x)
-    x = x.contiguous().reshape(-1)
-    limbs = x.view(torch.uint8) if x.element_size() == 1 else x.view(torch.int16)
-    whole = limbs.numel() - limbs.numel() % _PERIOD
-    weights = torch.arange(1, _PERIOD + 1, device=limbs.device, dtype=torch.int64)
-    columns = limbs[:whole].view(-1, _PERIOD).sum(0, dtype=torch.int64)
-    rest = limbs[whole:].to(torch.int64)
+    raw = x.contiguous().reshape(-1).view(torch.uint8)
+    if raw.storage_offset() % 8:  # a view starting mid-word cannot be read as int64 words in place
+        raw = raw.clone()
+    whole = raw.numel() - raw.numel() % 8
+    words = raw[:whole].view(torch.int64)
+    tail = raw[whole:].to(torch.int64)
+    if tail.numel():  # the last partial word, little-endian, as one more word
+        shifts = torch.arange(tail.numel(), device=tail.device, dtype=torch.int64) * 8
+        words = torch.cat([words, (tail << shifts).sum().reshape(1)])
+    rows = words.numel() - words.numel() % _PERIOD
+    weights = torch.arange(1, _PERIOD + 1, device=words.device, dtype=torch.int64)
+    columns = words[:rows].view(-1, _PERIOD).sum(0)
+    rest = words[rows:]
     plain = columns.sum() + rest.sum()
     weighted = (columns * weights).sum() + (rest * weights[: rest.numel()]).sum()
     return torch.stack([plain, weighted]).to(device)
@@ -179,7 +191,7 @@ def _rows(tensors: list[torch.Tensor], names: list[str], device: torch.device, v
         meta.append([_crc(name), _crc(str(t.dtype)), t.dim(), t.numel(), *dims, *[-1] * (_MAX_DIMS - len(dims))])
     rows = torch.tensor(meta, dtype=torch.int64).reshape(len(meta), _ROW - 2).to(device)
     if values and tensors:
-        sums = torch.stack([_limb_sums(t, device) for t in tensors])
+        sums = torch.stack([_word_sums(t, device) for t in tensors])
     else:
         sums = torch.zeros(len(tensors), 2, dtype=torch.int64, device=device)
     return torch.cat([rows, sums], dim=1)
