@@ -112,7 +112,8 @@ def _rank(rank: int, world: int, checkpoints: dict, refs: dict) -> dict:
                 "calls": len(calls),
                 "tp_hooks": len(report.modules_with("tp:")),
                 "cp_hooks": len(report.modules_with("cp: attention")),
-                "input_hook": report.hooks.get("", []),
+                "input_check": report.input_check,
+                "input_hook_live": any(type(h).__name__ == "InputCheck" for h in net._forward_pre_hooks.values()),
             }
             if mesh in SURFACE_MESHES:
                 run["surface"] = _surface(rank, case, net, pipe, refs)
@@ -157,7 +158,8 @@ def test_latents_equal_the_unsharded_pipeline(request, case):
         assert run["calls"] == 2, run["calls"]  # the pipeline really ran the sharded model, twice
         assert run["tp_hooks"] > 0 or tp == 1, run["tp_hooks"]
         assert (run["cp_hooks"] > 0) == (ring * ulysses > 1), run["cp_hooks"]
-        assert any("inputs: fingerprints compared across ranks" in h for h in run["input_hook"]), run["input_hook"]
+        assert run["input_check"] == f"fingerprints compared across ranks 0-{world - 1} on every forward"
+        assert run["input_hook_live"]
 
 
 SURFACE = [c for c in ALL if c[2] in SURFACE_MESHES]

@@ -47,4 +47,4 @@ def attach_model_surface(
     if mesh.world_size > 1 and input_mode != "off":
         attach_input_check(model, input_mode, rank_device.device)
         what = "rank 0's broadcast to" if input_mode == "broadcast" else "fingerprints compared across"
-        report.add_hook("", f"inputs: {what} ranks 0-{mesh.world_size - 1} on every forward")
+        report.input_check = f"{what} ranks 0-{mesh.world_size - 1} on every forward"
