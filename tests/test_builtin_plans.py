@@ -178,3 +178,22 @@ def test_a_cp_mesh_for_a_family_without_a_cp_plan_is_refused_at_conversion(sourc
         "_cp_plan, so no rank could load a context-parallel mesh (ring x ulysses = 2)", stdout=result.stdout,
     )  # fmt: skip
     assert not (tmp_path / "out").exists()
+
+
+def test_a_variant_with_a_projection_the_plan_leaves_whole_is_refused_at_conversion(tmp_path):
+    """Cosmos 2.5's image context adds q_img/k_img/v_img to the cross-attention whose heads the plan divides: left
+    whole they would feed every head to a rank that reshapes by its own head count, so the conversion is refused
+    (before writing anything) naming the projection; tp=1 still converts."""
+    from diffusers import CosmosTransformer3DModel
+    from tiny_diffusers import randomize
+
+    model, _ = BUILDERS["cosmos"]()
+    variant = CosmosTransformer3DModel(**{**dict(model.config), "img_context_dim_in": 8, "img_context_dim_out": 48})
+    source = save(randomize(variant), tmp_path / "src")
+    result = cli_runner().invoke(main, ["convert", str(source), str(tmp_path / "out"), "--tp", "2", "--no-progress"])
+    assert_one_line(
+        result.exit_code, result.stderr, 2, "built-in plan cosmos: transformer_blocks.0.attn2.q_img stays whole "
+        "inside transformer_blocks.0.attn2, whose heads the plan divides", stdout=result.stdout,
+    )  # fmt: skip
+    assert not (tmp_path / "out").exists()
+    convert_checkpoint(source, tmp_path / "tp1", tp=1, progress=False)
