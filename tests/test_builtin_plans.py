@@ -153,6 +153,7 @@ def test_packed_blocks_follow_the_widths_of_their_producers():
         ({"style": "packed_rowwise", "blocks_from": ["a"], "blocks": 2}, "give 'blocks' or 'blocks_from'"),
         ({"style": "packed_rowwise", "blocks_from": ["../a"]}, "must be a list of module paths"),
         ({"style": "packed_rowwise", "blocks_from": []}, "must be a list of module paths"),
+        ({"style": ["packed_rowwise"], "blocks_from": ["a"]}, "unknown style"),
     ):
         with pytest.raises(PlanError, match=message):
             Plan.from_dict({"name": "p", "linear": [{"match": "b.proj_out", **rule}]})

@@ -253,7 +253,8 @@ def _parse_linear_rule(rule: dict[str, Any], where: str) -> LinearRule:
         raise PlanError(f"{where}: 'blocks_from' must be a list of module paths such as \"attn.to_q\"")
     if "blocks" in rule:
         raise PlanError(f"{where}: give 'blocks' or 'blocks_from', not both")
-    style = make_style(rule.get("style"), None if rule.get("style") in _UNPACKED else 1, where)
+    name = rule.get("style")
+    style = make_style(name, None if isinstance(name, str) and name in _UNPACKED else 1, where)
     if not style.packed:
         raise PlanError(f"{where}: 'blocks_from' only applies to packed styles, not to {style.name}")
     return LinearRule(rule["match"], type(style)(), tuple(paths))
