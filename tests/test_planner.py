@@ -154,6 +154,24 @@ def test_weights_per_rank_match_a_hand_count_and_adaln_replicated_never_fits(h3_
     assert replicated.recommended is None and "no mesh fits" in replicated.reason
 
 
+def test_smallest_fitting_mesh_leaves_the_recommendations_headroom(h3_full):
+    """The README model table's "smallest TP" per device size: the first TP degree whose weights leave 20 % free
+    (24 GiB: tp=4 at 15.57 GiB, as the recommendation; tp=2's 30.95 GiB would not even fit 32 GiB with headroom)."""
+    from preshard.errors import UsageError
+    from preshard.tools.planner import smallest_fitting
+
+    report = plan_meshes(h3_full[0])
+    assert {gib: smallest_fitting(report, gib).tp for gib in (24, 32, 40, 80, 141)} == {
+        24: 4, 32: 4, 40: 2, 80: 1, 141: 1
+    }  # fmt: skip
+    assert smallest_fitting(report, 31, headroom=0).tp == 2  # 30.95 GiB fits 31 with nothing to spare
+    assert smallest_fitting(report, 1) is None  # 1.28 GiB at tp=56 leaves under 20 % of 1 GiB
+    assert plan_meshes(h3_full[0], device_memory_gib=24).recommended.tp == smallest_fitting(report, 24).tp
+    for bad in ({"device_memory_gib": 0}, {"device_memory_gib": 24, "headroom": 1.0}):
+        with pytest.raises(UsageError):
+            smallest_fitting(report, **bad)
+
+
 def test_plan_figures_equal_a_real_conversion(tiny_sources, converted):
     source = tiny_sources("mixed")
     for tp in (1, 2, 4):

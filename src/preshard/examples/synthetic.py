@@ -6,9 +6,9 @@ mix of float32 and bfloat16 sets the byte layout, and row/column slicing costs d
 row lengths. Building those weights with torch would need the memory of the whole model and minutes
 of random number generation, for values that no benchmark looks at. So:
 
-* `minimax_h3_tensors` builds the diffusers model on the meta device (no storage) and returns every
-  persistent tensor's safetensors dtype code and shape in state-dict order, with the config dict;
-  dtypes mix float32 and bfloat16 the way the published checkpoint does.
+* `minimax_h3_tensors` (and `model_tensors` for any diffusers class) builds the model on the meta device
+  (no storage) and returns every persistent tensor's safetensors dtype code and shape in state-dict order,
+  with the config dict; dtypes mix float32 and bfloat16 the way the published checkpoint does.
 * `write_safetensors_checkpoint` writes diffusers' layout (config.json, one safetensors file or a
   numbered set with its index) with real safetensors headers, streaming the data from one repeated
   random buffer, or as a hole (`os.truncate`), so the full 66 GB model costs no disk and no time
@@ -65,18 +65,30 @@ def minimax_h3_tensors(
     `_keep_in_fp32_modules` are F32 (matched on whole dotted components, as diffusers does), the rest
     BF16. The config dict is what config.json holds, `_class_name` included.
     """
-    cls = _model_class()
-    params = inspect.signature(cls.__init__).parameters
     overrides = dict(config_overrides)
     if num_layers is not None:
         overrides["num_layers"] = num_layers
     if num_refiner_layers is not None:
         overrides["num_refiner_layers"] = num_refiner_layers
-    unknown = sorted(set(overrides) - (set(params) - {"self"}))
+    return model_tensors(_model_class(), **overrides)
+
+
+def model_tensors(cls: type, **config: Any) -> tuple[TensorSpecs, dict[str, Any]]:
+    """Every persistent tensor of the diffusers model class `cls` built from `config` (constructor arguments;
+    the rest take the class defaults) as {name: (safetensors dtype code, shape)}, and its config.json dict.
+
+    Built on the meta device: no memory, whatever the size. Tensors come in state-dict order, BF16 except the
+    modules the class lists in `_keep_in_fp32_modules` (F32), as a bf16 load of the model holds them.
+
+    Raises:
+        PreshardError: a config key the class does not take, or a state entry that is not floating point.
+    """
+    params = inspect.signature(cls.__init__).parameters
+    unknown = sorted(set(config) - (set(params) - {"self"}))
     if unknown:
         raise PreshardError(f"unknown {cls.__name__} config keys {unknown}")
     with torch.device("meta"):
-        model = cls(**overrides)
+        model = cls(**config)
     keep = list(getattr(cls, "_keep_in_fp32_modules", None) or [])
     tensors: TensorSpecs = {}
     for name, t in model.state_dict().items():
@@ -84,11 +96,11 @@ def minimax_h3_tensors(
         if t.dtype not in _TORCH_CODES:  # a non-float state entry would keep its own dtype
             raise PreshardError(f"{name}: unexpected dtype {t.dtype} in {cls.__name__}")
         tensors[name] = (code, tuple(t.shape))
-    config: dict[str, Any] = {"_class_name": cls.__name__}
+    out: dict[str, Any] = {"_class_name": cls.__name__}
     for key, value in model.config.items():
         if not key.startswith("_"):
-            config[key] = list(value) if isinstance(value, tuple) else value
-    return tensors, config
+            out[key] = list(value) if isinstance(value, tuple) else value
+    return tensors, out
 
 
 def tensor_nbytes(spec: tuple[str, tuple[int, ...]]) -> int:

@@ -269,6 +269,23 @@ def _recommend(meshes: list[MeshEstimate], memory: int | None, heads: int | None
     return best, why
 
 
+def smallest_fitting(report: PlanReport, device_memory_gib: float, headroom: float = HEADROOM) -> MeshEstimate | None:
+    """The mesh with the fewest TP ranks (CP 1) whose weights leave `headroom` of a `device_memory_gib` device free,
+    the bar the recommendation uses; None if no TP degree the plan allows gets there. CP ranks can be added to it:
+    they hold the same weights.
+
+    Raises:
+        UsageError: a device memory that is not a positive number, or a headroom outside [0, 1).
+    """
+    if not (isinstance(device_memory_gib, (int, float)) and device_memory_gib > 0):
+        raise UsageError(f"device memory must be a positive number of GiB, got {device_memory_gib!r}")
+    if not 0 <= headroom < 1:
+        raise UsageError(f"headroom must be a share in [0, 1), got {headroom!r}")
+    limit = (1 - headroom) * device_memory_gib * GIB
+    fitting = [m for m in report.meshes if m.ring * m.ulysses == 1 and m.weight_bytes_per_rank <= limit]
+    return min(fitting, key=lambda m: m.tp, default=None)
+
+
 def plan_json(report: PlanReport) -> list[dict[str, Any]]:
     """What `preshard plan --json` prints: one object per mesh."""
     return [m.to_dict() for m in report.meshes]
