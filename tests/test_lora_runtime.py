@@ -5,6 +5,8 @@ fusing, unfusing and unloading; what cannot work (hotswap, add_adapter, DoRA) is
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from multiproc import init_gloo, run_ranks
@@ -132,6 +134,7 @@ def _flux_rank(rank: int, world: int, files: dict[str, str]) -> dict:
         "hotswap": lambda: net.load_lora_adapter(dict(state), network_alphas=alphas, adapter_name="rows", hotswap=True),
         "add_adapter": lambda: net.add_adapter(__import__("peft").LoraConfig(r=4, target_modules=["to_q"])),
         "dora": lambda: net.load_lora_adapter(files["flux dora"], adapter_name="dora"),
+        "save": lambda: net.save_lora_adapter(files["flux"] + "-saved", adapter_name="rows"),
     }.items():
         try:
             call()
@@ -175,13 +178,15 @@ def test_flux_pipeline_load_lora_weights(flux_ranks):
         assert r["after the failure"] <= TOL  # nothing was changed by it
 
 
-def test_what_cannot_work_on_a_sharded_model_is_refused_in_one_line_naming_lora(flux_ranks):
+def test_what_cannot_work_on_a_sharded_model_is_refused_in_one_line_naming_lora(flux_ranks, files):
     for r in flux_ranks:
         for what, message in r["refusals"].items():
-            assert message is not None, what
-            assert "\n" not in message and "convert-checkpoint SRC OUT --lora FILE" in message, message
+            assert message is not None and "\n" not in message, what
+            assert what == "save" or "convert-checkpoint SRC OUT --lora FILE" in message, message
+        assert "this rank's slices" in r["refusals"]["save"]
         assert "is a DoRA" in r["refusals"]["dora"] and r["adapters left"] == ["rows"]
         assert r["after refusals"] <= TOL
+    assert not Path(files["flux"] + "-saved").exists()
 
 
 def _h3_rank(rank: int, world: int, files: dict[str, str]) -> dict:

@@ -18,7 +18,8 @@ each rank. FluxPipeline's `load_lora_weights` resizes every Linear whose shape d
 Control-LoRA support) before it hands the file to the model, which on a sharded layer would replace it with a
 zero-padded full-size copy; such a replacement of a sharded layer is undone here before the adapter loads.
 What cannot be made right is refused in one line that names `convert-checkpoint --lora`: hotswapping,
-training new adapters (`add_adapter`), and LoRA variants (DoRA).
+training new adapters (`add_adapter`), and LoRA variants (DoRA); `save_lora_adapter` is refused too (it would
+write this rank's slices).
 """
 
 from __future__ import annotations
@@ -210,6 +211,13 @@ def _add_adapter(model: nn.Module, *args: Any, **kwargs: Any) -> None:
     )
 
 
+def _save_lora_adapter(model: nn.Module, *args: Any, **kwargs: Any) -> None:
+    raise UsageError(
+        "save_lora_adapter on a sharded model would write this rank's slices of the adapters under their full names; "
+        "save the LoRA from the unsharded model, or keep the file you loaded"
+    )
+
+
 def attach_lora_loading(
     model: nn.Module,
     sharded: dict[str, nn.Linear],
@@ -219,8 +227,8 @@ def attach_lora_loading(
     report: Any = None,
 ) -> bool:
     """Make `model.load_lora_adapter` (which every diffusers pipeline's `load_lora_weights` calls) shard what it
-    loads, and refuse `add_adapter`; returns whether anything was attached (not for a model without sharded layers
-    or without diffusers' adapter methods)."""
+    loads, and refuse `add_adapter` and `save_lora_adapter`; returns whether anything was attached (not for a model
+    without sharded layers or without diffusers' adapter methods)."""
     if not sharded or not callable(getattr(model, "load_lora_adapter", None)):
         return False
     layers = {}
@@ -232,6 +240,8 @@ def attach_lora_loading(
     model.load_lora_adapter = types.MethodType(_load_lora_adapter, model)
     if callable(getattr(model, "add_adapter", None)):
         model.add_adapter = types.MethodType(_add_adapter, model)
+    if callable(getattr(model, "save_lora_adapter", None)):
+        model.save_lora_adapter = types.MethodType(_save_lora_adapter, model)
     return True
 
 
