@@ -140,7 +140,30 @@ def _hub_options(fn):
     )(fn)
 
 
-@click.command(name="convert-checkpoint", cls=Command, context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
+class _ConvertCommand(Command):
+    """`--lora FILE [--lora-scale S]`, repeatable: each --lora-scale applies to the --lora before it (default 1.0),
+    which needs the options' command-line order; click gives each option's values alone, so that order is read
+    from click's own parser and the pairs are passed as `loras`."""
+
+    def parse_args(self, ctx, args):
+        order = self.make_parser(ctx).parse_args(args=list(args))[2]
+        rest = super().parse_args(ctx, args)
+        files, scales = list(ctx.params.pop("lora", None) or ()), list(ctx.params.pop("lora_scale", None) or ())
+        pairs: list[list] = []
+        for param in order:
+            if param.name == "lora":
+                pairs.append([files[len(pairs)], None])
+            elif param.name == "lora_scale":
+                if not pairs or pairs[-1][1] is not None:
+                    raise click.UsageError(
+                        "each --lora-scale follows the --lora it scales: --lora FILE --lora-scale S", ctx=ctx
+                    )
+                pairs[-1][1] = scales.pop(0)
+        ctx.params["loras"] = [(path, 1.0 if scale is None else scale) for path, scale in pairs]
+        return rest
+
+
+@click.command(name="convert-checkpoint", cls=_ConvertCommand, context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
 @click.argument("source")
 @click.argument("output", type=click.Path(path_type=str))
 @click.option("--tp", type=click.IntRange(min=1), required=True, help="Tensor-parallel degree.")
@@ -150,6 +173,16 @@ def _hub_options(fn):
 @click.option("--order", default=None, help="Mesh axis order, default tp,ring,ulysses (last varies fastest).")
 @click.option("--plan", "plan", default=None, help="Built-in plan name or JSON plan file (default: from config.json).")
 @click.option("--dtype", default=None, help="Cast floating tensors: bf16, fp16 or fp32 (default: keep each dtype).")
+@click.option(
+    "--lora",
+    multiple=True,
+    metavar="FILE",
+    help="Fuse this LoRA (.safetensors, any key format diffusers reads for the model; or a Hub org/name[/file]) "
+    "into the weights before slicing. Repeatable, applied in order.",
+)
+@click.option(
+    "--lora-scale", type=float, multiple=True, metavar="S", help="Scale of the --lora before it (default 1.0)."
+)
 @_hub_options
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it is a preshard checkpoint.")
 @click.option("--wait", is_flag=True, help="Wait for another conversion into OUTPUT to finish instead of failing.")
@@ -172,7 +205,7 @@ def _hub_options(fn):
 @user_errors
 def convert_checkpoint_command(
     source, output, tp, cp, ring, ulysses, order, plan, dtype, subfolder, revision, token, overwrite, wait, dry_run,
-    as_json, workers, progress,
+    as_json, workers, progress, loras,
 ):  # fmt: skip
     """Slice SOURCE (.safetensors file, diffusers weights folder or Hub repo id) into per-rank shards in OUTPUT."""
     from preshard.converter.convert import convert_checkpoint, resolve_mesh
@@ -187,7 +220,7 @@ def convert_checkpoint_command(
         with _hub_progress(progress):
             report = plan_dry_run(
                 source, output, mesh=mesh, plan=plan, dtype=dtype, subfolder=subfolder, revision=revision,
-                token=token, overwrite=overwrite,
+                token=token, overwrite=overwrite, loras=loras,
             )  # fmt: skip
         click.echo(json.dumps(dry_run_json(report), indent=1) if as_json else dry_run_text(report))
         if report.space_error:
@@ -199,7 +232,7 @@ def convert_checkpoint_command(
         manifest = convert_checkpoint(
             source, output, tp=tp, cp=cp, ring=ring, ulysses=ulysses, order=order, plan=plan, dtype=dtype,
             subfolder=subfolder, revision=revision, token=token, overwrite=overwrite, wait=wait, progress=progress,
-            workers=workers,
+            workers=workers, loras=loras,
         )  # fmt: skip
     click.echo(summary_line(manifest, output))
 

@@ -16,7 +16,7 @@ import gc
 import hashlib
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -122,17 +122,23 @@ def plan_conversion(
     revision: str | None = None,
     token: str | bool | None = None,
     check_model: bool = True,
+    loras: Iterable[Any] | None = None,
 ) -> ConversionPlan:
     """Resolve source, plan, mesh and layout without writing anything (what a dry run shows).
 
     `check_model`: also check the plan's attention rules against the model class (which imports diffusers and
     builds the model on the meta device: seconds); `convert_checkpoint` does that while it converts instead.
+    `loras`: LoRAs to fuse into the weights as they are read (`preshard.converter.lora`).
     """
     cast = parse_cast(dtype)
     if isinstance(source, (str, Path)):
         src = open_source(source, subfolder=subfolder, revision=revision, token=token)
     else:
         src = source
+    if loras:
+        from preshard.converter.lora import with_loras
+
+        src = with_loras(src, loras, token=token)
     chosen = choose_plan(plan, src.config)
     layouts = resolve_plan(chosen, src.shapes(), mesh.tp, cast=cast, config=src.config or {})
     if check_model:
@@ -161,6 +167,7 @@ def convert_checkpoint(
     wait: bool = False,
     progress: bool | None = None,
     workers: int = 1,
+    loras: Iterable[Any] | None = None,
 ) -> Manifest:
     """Convert a safetensors checkpoint into per-TP-rank DCP shards and a manifest, in `output`.
 
@@ -179,15 +186,19 @@ def convert_checkpoint(
         workers: local processes to convert with (at most `tp`: each writes its share of the data files). The
             output is the same, byte for byte. Under torchrun (`torchrun -m preshard.torchrun_convert`) the
             job's processes are the workers.
+        loras: LoRAs to fuse into the weights before slicing: paths (scale 1.0) or `(path, scale)` pairs, applied
+            in order; each a local `.safetensors` file or a Hub `org/name[/file]`, in any key format diffusers'
+            LoRA loader for the model class reads. Recorded in the manifest's source provenance.
 
     Returns:
         The manifest written to `output/manifest.json`.
 
     Raises:
         UsageError: a bad mesh, dtype or worker count. SourceError: a missing, malformed or changing source.
-        PlanError: a plan that does not fit the checkpoint or the TP degree. OutputError: an output that
-        cannot be written (exists, locked, too little disk space). Interrupted: SIGINT/SIGTERM (the finished
-        part is kept for a resume). WorkerError: a worker process died.
+        PlanError: a plan that does not fit the checkpoint or the TP degree. MismatchError: a LoRA that does not
+        fit the checkpoint. OutputError: an output that cannot be written (exists, locked, too little disk
+        space). Interrupted: SIGINT/SIGTERM (the finished part is kept for a resume). WorkerError: a worker
+        process died.
     """
     coordinator = active_coordinator()
     try:
@@ -210,6 +221,7 @@ def convert_checkpoint(
             revision=revision,
             token=token,
             check_model=False,  # done while converting
+            loras=loras,
         )
     except BaseException as exc:
         if coordinator is not None:

@@ -25,6 +25,7 @@ from preshard.runtime.construct import (
 )
 from preshard.runtime.devices import RankDevice, init_rank_device
 from preshard.runtime.groups import MeshGroups, build_groups
+from preshard.runtime.lora import attach_lora_loading
 from preshard.runtime.reader import ShardReader
 from preshard.runtime.report import REPORT_ATTRIBUTE, LoadReport
 from preshard.runtime.tp import parallelize_linear
@@ -137,6 +138,7 @@ def _load_sharded(
         description = parallelize_linear(module, style, groups.tp, tp_rank, manifest.tp)
         if description is not None:
             report.add_hook(module_name, description)
+    attach_lora_loading(net, sharded, manifest, groups.tp, tp_rank, report)
     if run_mesh.cp > 1:
         from preshard.runtime.cp import attach_context_parallel
 

@@ -48,6 +48,18 @@ def provenance_line(manifest: Manifest) -> str:
     return line
 
 
+def lora_lines(manifest: Manifest) -> list[str]:
+    """One line per LoRA fused at conversion: the file, its scale and hash, and what it changed."""
+    lines = []
+    for lora in manifest.source.loras:
+        ranks = "/".join(str(r) for r in sorted({m.rank for m in lora.modules.values()}))
+        lines.append(
+            f"{lora.name} x {lora.scale:g} fused into {len(lora.modules)} Linear layers (rank {ranks}; xxh3_128 "
+            f"{lora.xxh3_128}; read by {lora.loader}{', keys converted' if lora.converted else ''})"
+        )
+    return lines
+
+
 def inspect_data(manifest: Manifest) -> dict[str, Any]:
     """What `inspect --json` prints: provenance, mesh, plan, files and the bytes each TP rank reads."""
     total = total_tensor_bytes(manifest)
@@ -92,6 +104,7 @@ def inspect_table(manifest: Manifest) -> str:
     lines = [
         f"preshard checkpoint (manifest v2, preshard {manifest.preshard_version}, {manifest.created})",
         f"source:  {provenance_line(manifest)}",
+        *(f"lora:    {line}" for line in lora_lines(manifest)),
         f"plan:    {manifest.plan.name}  " + ", ".join(f"{n} {s}" for s, n in sorted(styles.items())),
         f"mesh:    {mesh.describe()}, world size {mesh.world_size}",
         f"tensors: {len(manifest.tensors)}, {human_bytes(total)}"

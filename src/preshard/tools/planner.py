@@ -412,6 +412,7 @@ class DryRun:
     probe: Probe
     estimate_seconds: float | None
     notes: list[str] = field(default_factory=list)
+    loras: list[dict[str, Any]] = field(default_factory=list)  # --lora: one entry per LoRA (`LoraSet.summary`)
 
 
 def probe_io(source_files: list[Path], data_start: int, folder: Path, nbytes: int = PROBE_BYTES) -> Probe:
@@ -482,6 +483,7 @@ def dry_run(
     token: str | bool | None = None,
     overwrite: bool = False,
     probe: bool = True,
+    loras: Any = None,
 ) -> DryRun:
     """Everything a conversion decides before writing, the space it needs and a time estimate; writes nothing.
 
@@ -496,9 +498,9 @@ def dry_run(
     from preshard.converter.workdir import check_output, check_space, partial_dir
 
     src = open_source_headers(source, subfolder=subfolder, revision=revision, token=token)
-    job = plan_conversion(src, mesh=mesh, plan=plan, dtype=dtype)
+    job = plan_conversion(src, mesh=mesh, plan=plan, dtype=dtype, loras=loras, token=token)
     output = Path(output)
-    check_output(output, src.input_paths(), overwrite)
+    check_output(output, job.source.input_paths(), overwrite)
     per_rank = rank_bytes(job.layouts, job.write_order, mesh.tp)
     needed = space_needed(job)
     free = shutil.disk_usage(output.parent).free
@@ -541,6 +543,7 @@ def dry_run(
         probe=measured,
         estimate_seconds=estimate_seconds(source_bytes, job.output_bytes, measured, hub),
         notes=notes,
+        loras=job.source.loras.summary() if hasattr(job.source, "loras") else [],
     )
 
 
@@ -589,6 +592,7 @@ def dry_run_json(run: DryRun) -> dict[str, Any]:
         "probe_bytes_per_second": {"read": p.read_rate, "write_fsync": p.write_rate, "xxh3": p.hash_rate},
         "estimate_seconds_at_least": run.estimate_seconds,
         "notes": list(run.notes),
+        "loras": [dict(lora) for lora in run.loras],
     }
 
 
@@ -621,5 +625,11 @@ def dry_run_text(run: DryRun) -> str:
         )
     else:
         lines.append(f"time:      no estimate ({probe})")
+    lines[3:3] = [
+        f"lora:      {lora['path']} x {lora['scale']:g}, fused into {lora['modules']} Linear layers (rank "
+        f"{'/'.join(map(str, lora['ranks']))}, {human_bytes(lora['bytes'])}), read by {lora['loader']}"
+        + (" (keys converted)" if lora["converted"] else "")
+        for lora in run.loras
+    ]
     lines += [f"note:      {note}" for note in run.notes]
     return "\n".join(lines)

@@ -70,6 +70,7 @@ def unshard_checkpoint(
     """
     source = open_presharded(input, subfolder=subfolder, revision=revision, token=token)
     _refuse_lossy_cast(source)
+    _refuse_fused_loras(source)
     headers = source.source_headers()
     plan = _output_files(source, headers)
     output = Path(output)
@@ -93,6 +94,16 @@ def unshard_checkpoint(
         stop.check()
         commit(work, output)
     return [output / f.name for f in source.manifest.source.files] + [output / name for name in plan]
+
+
+def _refuse_fused_loras(source: PreshardedSource) -> None:
+    loras = source.manifest.source.loras
+    if loras:
+        raise UsageError(
+            f"{source.given} was converted with {len(loras)} LoRA(s) fused (--lora {loras[0].name}), which changed "
+            f"{len(source.manifest.source.lora_tensors())} tensors; the source cannot be rebuilt bit for bit: use the "
+            "original checkpoint, or a conversion made without --lora"
+        )
 
 
 def _refuse_lossy_cast(source: PreshardedSource) -> None:

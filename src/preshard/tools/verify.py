@@ -64,6 +64,7 @@ class VerifyResult:
     source: str | None = None
     source_files: int = 0
     source_tensors: int = 0  # tensors compared with the source bit for bit and found equal
+    lora_tensors: int = 0  # tensors a LoRA fused at conversion changed: not compared with the source
 
     @property
     def ok(self) -> bool:
@@ -83,6 +84,8 @@ class VerifyResult:
         )
         if self.source is not None:
             what += f"; {self.source_tensors} tensors equal to the source bit for bit"
+            if self.lora_tensors:
+                what += f" ({self.lora_tensors} changed by the LoRAs fused at conversion, not compared)"
         if self.ok:
             return f"OK {self.checkpoint}: {what}"
         return f"FAILED {self.checkpoint}: {len(self.problems)} problems; checked {what}"
@@ -99,6 +102,7 @@ class VerifyResult:
             "damaged_tensors": list(self.damaged_tensors), "files": self.files, "bytes_hashed": self.bytes_hashed,
             "tensors": self.tensors, "chunks": self.chunks, "source": self.source,
             "source_files": self.source_files, "source_tensors": self.source_tensors,
+            "lora_tensors": self.lora_tensors,
         }  # fmt: skip
 
 
@@ -294,6 +298,7 @@ def _check_source(checkpoint: Path, manifest: Manifest, src, result: VerifyResul
     fds: dict[str, int] = {}
     reader = SourceReader(src)
     pool = BufferPool()
+    fused = manifest.source.lora_tensors()
     try:
         for f in manifest.files:
             if (checkpoint / f.name).is_file():
@@ -301,6 +306,11 @@ def _check_source(checkpoint: Path, manifest: Manifest, src, result: VerifyResul
         for entry in src.in_file_order():
             record = manifest.tensors.get(entry.name)
             layout = record.layout if record is not None else None
+            if entry.name in fused:  # read (for the file hash), not compared: a LoRA changed it
+                reader.read_into(entry, entry.start, torch.empty(entry.nbytes, dtype=torch.uint8))
+                bar.update(entry.nbytes)
+                result.lora_tensors += 1
+                continue
             if layout is None or layout.shape != entry.shape or layout.source_dtype != entry.dtype:
                 if layout is not None:
                     result.add(
