@@ -53,9 +53,9 @@ def created_now() -> str:
     source are byte-identical."""
     epoch = os.environ.get("SOURCE_DATE_EPOCH")
     when = (
-        datetime.datetime.fromtimestamp(int(epoch), datetime.timezone.utc)
+        datetime.datetime.fromtimestamp(int(epoch), datetime.UTC)
         if epoch and epoch.isdigit()
-        else datetime.datetime.now(datetime.timezone.utc)
+        else datetime.datetime.now(datetime.UTC)
     )
     return when.isoformat(timespec="seconds")
 
