@@ -216,7 +216,9 @@ def convert_checkpoint(
             coordinator.fail(exc)  # so that the other processes stop too
         raise
     if workers > 1:
-        return run_workers(job, Path(output), workers=workers, overwrite=overwrite, wait=wait, progress=progress)
+        return run_workers(
+            write_conversion, job, Path(output), workers=workers, overwrite=overwrite, wait=wait, progress=progress
+        )
     return write_conversion(
         job, Path(output), overwrite=overwrite, wait=wait, progress=progress, coordinator=coordinator, check_model=True
     )

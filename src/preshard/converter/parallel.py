@@ -41,8 +41,11 @@ from preshard import errors
 from preshard.errors import Interrupted, PreshardError, WorkerError
 
 if TYPE_CHECKING:
-    from preshard.converter.convert import ConversionPlan
     from preshard.format.manifest import Manifest
+
+# What a worker runs: convert.write_conversion(job, output, coordinator=..., external_stop=..., **options). It is
+# passed in (run_workers' `write`), so this module never imports convert.py, which imports it.
+WriteConversion = Callable[..., object]
 
 # How long one process waits for the others at an exchange (the lowest rank re-checking a large partial
 # conversion before the first one, a slow host); PRESHARD_WORKER_TIMEOUT_S overrides it.
@@ -173,7 +176,8 @@ def _local_worker(
     rank: int,
     world: int,
     store_path: str,
-    job: ConversionPlan,
+    write: WriteConversion,
+    job: Any,
     output: str,
     options: dict[str, Any],
     conn: connection.Connection,
@@ -187,13 +191,11 @@ def _local_worker(
     try:
         import torch.distributed as dist
 
-        from preshard.converter.convert import write_conversion
-
         store = dist.FileStore(store_path, world)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT_S))
         try:
             coordinator = Coordinator(rank, world)
-            write_conversion(
+            write(
                 job, Path(output), coordinator=coordinator, external_stop=lambda: stop_signal.value or None, **options
             )
         finally:
@@ -211,7 +213,8 @@ def _local_worker(
 
 
 def run_workers(
-    job: ConversionPlan,
+    write: WriteConversion,
+    job: Any,
     output: Path,
     *,
     workers: int,
@@ -219,7 +222,8 @@ def run_workers(
     wait: bool = False,
     progress: bool | None = None,
 ) -> Manifest:
-    """Convert `job` into `output` with `workers` local processes (forked: nothing is imported again).
+    """Convert `job` (a `ConversionPlan`) into `output` with `workers` local processes (forked: nothing is imported
+    again), each running `write` (`convert.write_conversion`) on its share.
 
     SIGINT/SIGTERM to this process is relayed to the workers, which stop at a safe point; this process then
     raises `Interrupted`. A worker that fails makes every worker stop; this process raises its error.
@@ -241,7 +245,17 @@ def run_workers(
                 options = {"overwrite": overwrite, "wait": wait, "progress": progress if rank == 0 else False}
                 options["check_model"] = True  # on the lowest rank, while it converts
                 reader, writer = ctx.Pipe(duplex=False)
-                args = (rank, workers, os.path.join(tmp, "store"), job, str(output), options, writer, stop_signal)
+                args = (
+                    rank,
+                    workers,
+                    os.path.join(tmp, "store"),
+                    write,
+                    job,
+                    str(output),
+                    options,
+                    writer,
+                    stop_signal,
+                )
                 proc = ctx.Process(target=_local_worker, args=args, name=f"preshard-worker-{rank}")
                 proc.start()
                 writer.close()

@@ -54,7 +54,7 @@ WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 WEIGHTS_INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
 
 
-def _model_class() -> type[MiniMaxH3Transformer3DModel]:
+def model_class() -> type[MiniMaxH3Transformer3DModel]:
     try:
         from diffusers import MiniMaxH3Transformer3DModel
     except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -66,7 +66,7 @@ def _model_class() -> type[MiniMaxH3Transformer3DModel]:
 
 def tiny_config(**overrides: Any) -> dict[str, Any]:
     """A small MiniMax-H3 config with the real model's structure; overrides must be constructor args."""
-    allowed = set(inspect.signature(_model_class().__init__).parameters) - {"self"}
+    allowed = set(inspect.signature(model_class().__init__).parameters) - {"self"}
     unknown = sorted(set(overrides) - allowed)
     if unknown:
         raise PreshardError(f"unknown MiniMaxH3Transformer3DModel config keys {unknown}; valid: {sorted(allowed)}")
@@ -80,7 +80,7 @@ def _constructor_kwargs(config: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in config.items() if not k.startswith("_")}
 
 
-def _keeps_fp32(name: str, keep_in_fp32: list[str]) -> bool:
+def keeps_fp32(name: str, keep_in_fp32: list[str]) -> bool:
     # The same test diffusers applies when loading: a keep-entry must equal one dotted component.
     parts = name.split(".")
     return any(m in parts for m in keep_in_fp32)
@@ -122,12 +122,12 @@ def build_model(
     """
     if dtype not in _DTYPES:
         raise PreshardError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
-    cls = _model_class()
+    cls = model_class()
     model = cls(**_constructor_kwargs(config if config is not None else tiny_config()))
     _reinit_(model, seed)
     keep_in_fp32 = list(getattr(cls, "_keep_in_fp32_modules", None) or [])
     for name, param in model.named_parameters():
-        if dtype == "float32" or (dtype == "mixed" and _keeps_fp32(name, keep_in_fp32)):
+        if dtype == "float32" or (dtype == "mixed" and keeps_fp32(name, keep_in_fp32)):
             target = torch.float32
         else:
             target = torch.bfloat16

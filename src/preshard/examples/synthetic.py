@@ -32,7 +32,7 @@ from typing import Any, Literal
 import torch
 
 from preshard.errors import PreshardError
-from preshard.examples.minimax_h3 import WEIGHTS_INDEX_NAME, WEIGHTS_NAME, _keeps_fp32, _model_class
+from preshard.examples.minimax_h3 import WEIGHTS_INDEX_NAME, WEIGHTS_NAME, keeps_fp32, model_class
 
 TensorSpecs = dict[str, tuple[str, tuple[int, ...]]]
 
@@ -65,7 +65,7 @@ def minimax_h3_tensors(
     `_keep_in_fp32_modules` are F32 (matched on whole dotted components, as diffusers does), the rest
     BF16. The config dict is what config.json holds, `_class_name` included.
     """
-    cls = _model_class()
+    cls = model_class()
     params = inspect.signature(cls.__init__).parameters
     overrides = dict(config_overrides)
     if num_layers is not None:
@@ -80,7 +80,7 @@ def minimax_h3_tensors(
     keep = list(getattr(cls, "_keep_in_fp32_modules", None) or [])
     tensors: TensorSpecs = {}
     for name, t in model.state_dict().items():
-        code = "F32" if _keeps_fp32(name, keep) else "BF16"
+        code = "F32" if keeps_fp32(name, keep) else "BF16"
         if t.dtype not in _TORCH_CODES:  # a non-float state entry would keep its own dtype
             raise PreshardError(f"{name}: unexpected dtype {t.dtype} in {cls.__name__}")
         tensors[name] = (code, tuple(t.shape))

@@ -189,14 +189,14 @@ def _fetch_records(
     from huggingface_hub import HfFileSystem, constants
     from huggingface_hub.errors import HfHubHTTPError
 
-    from preshard.sources.hub import _hub_error, _not_cached, _offline, _TransportError
+    from preshard.sources.hub import TransportError, hub_error, not_cached_message, offline_mode
 
     if not ranged:
         return
-    if _offline():
+    if offline_mode():
         name = next(iter(ranged))
         raise SourceError(
-            _not_cached(f"{name} of Hub repo {repo_id} (commit {commit})", True)
+            not_cached_message(f"{name} of Hub repo {repo_id} (commit {commit})", True)
             + "; or download the whole checkpoint once (hf download)"
         )
     fs = HfFileSystem(token=token, endpoint=constants.ENDPOINT, skip_instance_cache=True)
@@ -225,8 +225,8 @@ def _fetch_records(
             raise SourceError(
                 f"{name} is not in Hub repo {repo_id} at commit {commit}; upload the whole checkpoint folder"
             ) from None
-        except (HfHubHTTPError, _TransportError) as exc:
-            raise _hub_error(exc, repo_id, commit, offline=False, path=name) from exc
+        except (HfHubHTTPError, TransportError) as exc:
+            raise hub_error(exc, repo_id, commit, offline=False, path=name) from exc
 
 
 def _check_records(name: str, start: int, data: bytes, chunks: list[ChunkRecord]) -> None:

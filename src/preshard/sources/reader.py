@@ -24,13 +24,16 @@ import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import xxhash
 
 from preshard.format.fileio import HASH_BLOCK, byte_view, pread_into
-from preshard.sources.local import CheckpointSource
 from preshard.sources.safetensors_file import TensorEntry
+
+if TYPE_CHECKING:  # local.py opens a reader: only the type comes from there
+    from preshard.sources.local import CheckpointSource
 
 ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and memory
 DIRECT_MIN_BYTES = 1 << 20  # smaller reads go through the page cache
