@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from preshard.errors import PreshardError
+from preshard.errors import PreshardError, UsageError
 
 if TYPE_CHECKING:
     from diffusers import MiniMaxH3Transformer3DModel
@@ -69,7 +69,7 @@ def tiny_config(**overrides: Any) -> dict[str, Any]:
     allowed = set(inspect.signature(model_class().__init__).parameters) - {"self"}
     unknown = sorted(set(overrides) - allowed)
     if unknown:
-        raise PreshardError(f"unknown MiniMaxH3Transformer3DModel config keys {unknown}; valid: {sorted(allowed)}")
+        raise UsageError(f"unknown MiniMaxH3Transformer3DModel config keys {unknown}; valid: {sorted(allowed)}")
     config = {k: (list(v) if isinstance(v, list | tuple) else v) for k, v in _TINY_CONFIG.items()}
     config.update(overrides)
     return config
@@ -121,7 +121,7 @@ def build_model(
     stored) stays float32 in every mode.
     """
     if dtype not in _DTYPES:
-        raise PreshardError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
+        raise UsageError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
     cls = model_class()
     model = cls(**_constructor_kwargs(config if config is not None else tiny_config()))
     _reinit_(model, seed)
@@ -159,7 +159,7 @@ def save_checkpoint(model: torch.nn.Module, directory: str | Path, max_shard_byt
         save_file(state, str(directory / WEIGHTS_NAME), metadata=metadata)
         return directory
     if max_shard_bytes <= 0:
-        raise PreshardError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+        raise UsageError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
 
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -209,9 +209,9 @@ def make_inputs(
     position_ids hold integer-valued (t, h, w) coordinates (float32, as the pipeline passes floats).
     """
     if seq_len < 3:
-        raise PreshardError(f"seq_len must be >= 3 (one text, one video and one audio row), got {seq_len}")
+        raise UsageError(f"seq_len must be >= 3 (one text, one video and one audio row), got {seq_len}")
     if batch_size < 1:
-        raise PreshardError(f"batch_size must be >= 1, got {batch_size}")
+        raise UsageError(f"batch_size must be >= 1, got {batch_size}")
     gen = torch.Generator().manual_seed(seed)
     patch = config.get("patch_size", _TINY_CONFIG["patch_size"])
     video_dim = int(config["in_channels"]) * math.prod(int(p) for p in patch)

@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 import torch
 
-from preshard.errors import PreshardError
+from preshard.errors import UsageError
 from preshard.examples.minimax_h3 import WEIGHTS_INDEX_NAME, WEIGHTS_NAME, keeps_fp32, model_class
 
 TensorSpecs = dict[str, tuple[str, tuple[int, ...]]]
@@ -74,7 +74,7 @@ def minimax_h3_tensors(
         overrides["num_refiner_layers"] = num_refiner_layers
     unknown = sorted(set(overrides) - (set(params) - {"self"}))
     if unknown:
-        raise PreshardError(f"unknown {cls.__name__} config keys {unknown}")
+        raise UsageError(f"unknown {cls.__name__} config keys {unknown}")
     with torch.device("meta"):
         model = cls(**overrides)
     keep = list(getattr(cls, "_keep_in_fp32_modules", None) or [])
@@ -82,7 +82,7 @@ def minimax_h3_tensors(
     for name, t in model.state_dict().items():
         code = "F32" if keeps_fp32(name, keep) else "BF16"
         if t.dtype not in _TORCH_CODES:  # a non-float state entry would keep its own dtype
-            raise PreshardError(f"{name}: unexpected dtype {t.dtype} in {cls.__name__}")
+            raise UsageError(f"{name}: unexpected dtype {t.dtype} in {cls.__name__}")
         tensors[name] = (code, tuple(t.shape))
     config: dict[str, Any] = {"_class_name": cls.__name__}
     for key, value in model.config.items():
@@ -108,7 +108,7 @@ def _shards(tensors: Mapping[str, tuple[str, tuple[int, ...]]], max_shard_bytes:
     if max_shard_bytes is None or max_shard_bytes >= total_nbytes(tensors):
         return [names]
     if max_shard_bytes <= 0:
-        raise PreshardError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+        raise UsageError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     shards: list[list[str]] = [[]]
     size = 0
     for name in names:
@@ -129,7 +129,7 @@ def safetensors_header(tensors: Mapping[str, tuple[str, tuple[int, ...]]]) -> tu
     """
     for name, (code, _) in tensors.items():
         if code not in ITEMSIZE:
-            raise PreshardError(f"{name}: unsupported safetensors dtype {code!r}")
+            raise UsageError(f"{name}: unsupported safetensors dtype {code!r}")
     order = sorted(tensors, key=lambda n: (-_DTYPE_RANK[tensors[n][0]], n))
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
@@ -180,7 +180,7 @@ def write_safetensors_checkpoint(
     and truncates each file to its full size (sparse: no data blocks, reads return zeros).
     """
     if data not in ("random", "hole"):
-        raise PreshardError(f"data must be 'random' or 'hole', got {data!r}")
+        raise UsageError(f"data must be 'random' or 'hole', got {data!r}")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(dict(config), indent=2) + "\n")

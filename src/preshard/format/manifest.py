@@ -27,7 +27,14 @@ from typing import Any
 import torch
 import xxhash
 
-from preshard.errors import CorruptCheckpointError, PlanError, PreshardError, UsageError
+from preshard.errors import (
+    CheckpointFileMissingError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    PlanError,
+    PreshardError,
+    UsageError,
+)
 from preshard.format.dtypes import CAST_TARGETS, cast_dtype, dtype_from_name, dtype_name
 from preshard.format.jsonio import canonical_json, read_json
 from preshard.format.layout import ChunkRecord, TensorLayout, data_file_name
@@ -250,11 +257,11 @@ def read_manifest(checkpoint: str | Path) -> Manifest:
     if path.is_dir():
         path = path / MANIFEST_NAME
     elif not path.exists() and (path.name != MANIFEST_NAME or not path.parent.is_dir()):
-        raise CorruptCheckpointError(
+        raise CheckpointNotFoundError(
             f"checkpoint {checkpoint} does not exist; pass the folder convert-checkpoint wrote"
         )
     if not path.is_file():
-        raise CorruptCheckpointError(
+        raise CheckpointFileMissingError(
             f"{path.parent} is not a complete preshard checkpoint ({MANIFEST_NAME} is missing); "
             "convert it with convert-checkpoint, or re-run an interrupted conversion"
         )

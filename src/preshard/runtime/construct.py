@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from preshard.errors import CorruptCheckpointError, MismatchError, PlanError, UsageError
+from preshard.errors import CheckpointFileMissingError, CorruptCheckpointError, MismatchError, PlanError, UsageError
 from preshard.format.fileio import pread_bytes
 from preshard.format.jsonio import parse_json_text
 from preshard.format.manifest import Manifest
@@ -60,7 +60,7 @@ def read_checkpoint_config(checkpoint: Path, manifest: Manifest) -> dict[str, An
             extra = os.fstat(f.fileno()).st_size != record.size
             raw = b"" if extra else pread_bytes(f.fileno(), 0, record.size, str(path))
     except FileNotFoundError:
-        raise CorruptCheckpointError(f"{path} is missing; copy the whole checkpoint folder again") from None
+        raise CheckpointFileMissingError(f"{path} is missing; copy the whole checkpoint folder again") from None
     if extra or not record.matches(raw):
         raise CorruptCheckpointError(
             f"{path} differs from the config the checkpoint was converted with (its xxh3_128 does not match the "

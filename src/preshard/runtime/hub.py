@@ -28,7 +28,14 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from preshard.errors import CorruptCheckpointError, SourceError, UsageError
+from preshard.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    SourceError,
+    SourceNotFoundError,
+    SourceUnreachableError,
+    UsageError,
+)
 from preshard.format.layout import ChunkRecord
 from preshard.format.manifest import DCP_METADATA_NAME, MANIFEST_NAME, Manifest, chunk_digest, read_manifest
 
@@ -83,7 +90,7 @@ def fetch_rank_files(
     from preshard.sources.hub import download_files, is_repo_id
 
     if not is_repo_id(repo_id):
-        raise CorruptCheckpointError(
+        raise CheckpointNotFoundError(
             f"checkpoint {repo_id} does not exist; pass the folder convert-checkpoint wrote or a Hub repo id (org/name)"
         )
     head = download_files(repo_id, [MANIFEST_NAME], revision=revision, token=token)
@@ -195,7 +202,7 @@ def _fetch_records(
         return
     if offline_mode():
         name = next(iter(ranged))
-        raise SourceError(
+        raise SourceUnreachableError(
             not_cached_message(f"{name} of Hub repo {repo_id} (commit {commit})", True)
             + "; or download the whole checkpoint once (hf download)"
         )
@@ -222,7 +229,7 @@ def _fetch_records(
                 out.flush()
                 os.fsync(out.fileno())
         except FileNotFoundError:
-            raise SourceError(
+            raise SourceNotFoundError(
                 f"{name} is not in Hub repo {repo_id} at commit {commit}; upload the whole checkpoint folder"
             ) from None
         except (HfHubHTTPError, TransportError) as exc:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from preshard.errors import SourceError
+from preshard.errors import SourceError, SourceNotFoundError
 from preshard.sources.local import CheckpointSource, open_local
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ def _local_path(source: str | Path, subfolder: str | None, revision: str | None)
 
 
 def _missing(source: str | Path) -> SourceError:
-    return SourceError(
+    return SourceNotFoundError(
         f"source {source} does not exist; pass a .safetensors file, a folder holding them, or a Hub repo id (org/name)"
     )
 

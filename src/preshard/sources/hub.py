@@ -48,7 +48,12 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.utils import validate_repo_id
 
-from preshard.errors import SourceError
+from preshard.errors import (
+    SourceAccessError,
+    SourceError,
+    SourceNotFoundError,
+    SourceUnreachableError,
+)
 from preshard.format.jsonio import read_json
 
 try:  # the HTTP client huggingface_hub 2.x is built on: its connection and timeout errors
@@ -314,10 +319,10 @@ def _require(res: _Resolved, paths: list[str]) -> None:
     """Raise for the first of `paths` the repo lacks, or that is not cached when only the cache can be used."""
     for path in paths:
         if res.complete and path not in res.names:
-            raise SourceError(f"{path} is not in {_where(res)} (commit {res.commit[:12]})")
+            raise SourceNotFoundError(f"{path} is not in {_where(res)} (commit {res.commit[:12]})")
         # Offline, or the Hub could not be reached when resolving (the listing is the cache's): the cache or nothing.
         if (res.offline or not res.complete) and not (res.snapshot / path).is_file():
-            raise SourceError(not_cached_message(f"{path} of {_where(res)}", res.offline))
+            raise SourceUnreachableError(not_cached_message(f"{path} of {_where(res)}", res.offline))
 
 
 def _header(res: _Resolved, path: str, token: str | bool | None) -> dict[str, Any]:
@@ -352,11 +357,11 @@ def hub_error(
     status = getattr(getattr(exc, "response", None), "status_code", None)
     if isinstance(exc, GatedRepoError):
         if status == 403:
-            return SourceError(
+            return SourceAccessError(
                 f"{where} is gated and the token used has no access to it: accept its conditions at "
                 f"{endpoint}/{repo_id} with that token's account, then retry"
             )
-        return SourceError(
+        return SourceAccessError(
             f"{where} is gated and no token was sent: accept its conditions at {endpoint}/{repo_id}, then pass "
             "--token or set HF_TOKEN (or run `hf auth login`)"
         )
@@ -367,24 +372,26 @@ def hub_error(
             if status == 401
             else "if it is private, check that the token used can read it"
         )
-        return SourceError(f"Hub repo {repo_id} not found at {endpoint}{local}: check the spelling; {token_hint}")
+        return SourceNotFoundError(
+            f"Hub repo {repo_id} not found at {endpoint}{local}: check the spelling; {token_hint}"
+        )
     if isinstance(exc, RevisionNotFoundError):
-        return SourceError(
+        return SourceNotFoundError(
             f"revision {revision!r} not found in Hub repo {repo_id}: pass an existing branch, tag or commit sha "
             "as --revision"
         )
     if isinstance(exc, EntryNotFoundError) and not isinstance(exc, LocalEntryNotFoundError):
-        return SourceError(f"{path or 'a file'} is not in {where}")
+        return SourceNotFoundError(f"{path or 'a file'} is not in {where}")
     if isinstance(exc, HFValidationError):
         return SourceError(f"{repo_id!r} is not a valid Hub repo id ('org/name') and not an existing local path")
     if isinstance(exc, LocalTokenNotFoundError):
-        return SourceError(
+        return SourceAccessError(
             f"a token is required for {where} but none is set: pass --token, set HF_TOKEN or run `hf auth login`"
         )
     what = f"{path} of {where}" if path else where
     if isinstance(exc, (LocalEntryNotFoundError, OfflineModeIsEnabled, TransportError)):
         offline = offline or isinstance(exc, OfflineModeIsEnabled) or offline_mode()
-        return SourceError(not_cached_message(what, offline, exc))
+        return SourceUnreachableError(not_cached_message(what, offline, exc))
     if isinstance(exc, HfHubHTTPError):
         return SourceError(
             f"the Hub at {endpoint} answered HTTP {status} for {what}: {_first_line(exc)}; retry later, or check "

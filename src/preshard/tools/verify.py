@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import xxhash
 
-from preshard.errors import CorruptCheckpointError, PreshardError
+from preshard.errors import CheckpointNotFoundError, CorruptCheckpointError, UsageError
 from preshard.format.dcp_metadata import dcp_metadata_problems
 from preshard.format.fileio import byte_view, pread_into
 from preshard.format.layout import ChunkRecord
@@ -128,9 +128,9 @@ def verify_checkpoint(
     """
     path = Path(checkpoint)
     if not path.exists():
-        raise PreshardError(f"checkpoint {path} does not exist; pass the folder convert-checkpoint wrote")
+        raise CheckpointNotFoundError(f"checkpoint {path} does not exist; pass the folder convert-checkpoint wrote")
     if not path.is_dir():
-        raise PreshardError(f"checkpoint {path} is not a folder; pass the folder convert-checkpoint wrote")
+        raise UsageError(f"checkpoint {path} is not a folder; pass the folder convert-checkpoint wrote")
     if not (path / MANIFEST_NAME).is_file():
         read_manifest(path)  # raises: not a (complete) preshard checkpoint
     result = VerifyResult(str(path), source=str(source) if source is not None else None)
