@@ -313,7 +313,8 @@ def test_each_rank_reads_only_its_shard(tp, results, checkpoints):
     for rank, res in enumerate(results):
         report = res["class_info"]["report"]
         expected, framing = _rank_chunk_bytes(checkpoint, rank)
-        assert report.bytes_read == expected
+        assert report.bytes_read == expected + framing  # as plan and inspect count it: header and data
+        assert report.to_dict()["read_bytes_per_rank"] == expected + framing
         rchar = res["io"]["rchar"]
         assert expected + framing <= rchar <= expected + framing + metadata_bytes + READ_OVERHEAD, (
             rchar,

@@ -178,6 +178,10 @@ class Manifest:
         """What one TP rank reads: its own chunks plus every replicated tensor."""
         return {name: [c for c in record.chunks if c.owner in (None, tp_rank)] for name, record in self.tensors.items()}
 
+    def read_bytes(self, tp_rank: int) -> int:
+        """The bytes this TP rank reads at load (`ChunkRecord.load_bytes` of each record it reads)."""
+        return sum(c.load_bytes for chunks in self.chunks_for_tp_rank(tp_rank).values() for c in chunks)
+
     def files_for_tp_rank(self, tp_rank: int) -> list[str]:
         names = {c.file for chunks in self.chunks_for_tp_rank(tp_rank).values() for c in chunks}
         return [f.name for f in self.files if f.name in names]

@@ -182,7 +182,7 @@ class ShardReader:
             )
 
     def _count(self, chunk: ChunkRecord) -> None:
-        self.stats.bytes_read += chunk.data_length
+        self.stats.bytes_read += chunk.load_bytes
         self.stats.chunks += 1
 
     # -- CPU: straight into the parameter

@@ -33,6 +33,11 @@ class LoadReport:
     read_seconds: float = 0.0
     total_seconds: float = 0.0
 
+    def to_dict(self) -> dict[str, Any]:
+        """The report as plain data; `read_bytes_per_rank` is this rank's reads, as `plan` and `inspect` count them."""
+        data = {k: v for k, v in vars(self).items() if k != "bytes_read"}
+        return {"read_bytes_per_rank": self.bytes_read, **data}
+
     def add_hook(self, module: str, description: str) -> None:
         self.hooks.setdefault(module, []).append(description)
 
