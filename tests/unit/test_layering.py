@@ -31,11 +31,14 @@ RULES: dict[str, set[str]] = {
     # the runtime never opens a source checkpoint.
     "runtime/hub.py": {"format", "runtime", "sources/hub.py"},
     "tools/__init__.py": set(),
-    # inspect and verify read through format/ (verify's --source through sources/); neither imports the converter.
-    "tools/inspect.py": {"format"},
+    # inspect and verify read through format/ (a Hub checkpoint's manifest, verify's --source through sources/);
+    # neither imports the converter.
+    "tools/inspect.py": {"format", "sources"},
     "tools/verify.py": {"format", "sources"},
-    # the planner sizes a conversion with the converter's own planning; reshard/unshard write through it.
-    "tools/planner.py": {"format", "plans", "sources", "converter"},
+    # the planner sizes a conversion with the converter's own planning (and an unshard with unshard's checks);
+    # reshard/unshard write through the converter.
+    "tools/planner.py": {"format", "plans", "sources", "converter", "tools/estimate.py", "tools/unshard.py"},
+    "tools/estimate.py": {"sources"},
     "tools/reshard.py": {"format", "plans", "sources", "converter"},
     "tools/unshard.py": {"format", "sources", "converter"},
     "examples": {"examples"},

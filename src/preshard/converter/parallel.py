@@ -24,6 +24,7 @@ stopped, and the output is committed only when every process has finished its fi
 from __future__ import annotations
 
 import contextlib
+import copy
 import ctypes
 import multiprocessing
 import os
@@ -191,17 +192,19 @@ def _local_worker(
     try:
         import torch.distributed as dist
 
+        outcome = options.pop("outcome")
         store = dist.FileStore(store_path, world)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT_S))
         try:
             coordinator = Coordinator(rank, world)
             write(
-                job, Path(output), coordinator=coordinator, external_stop=lambda: stop_signal.value or None, **options
-            )
+                job, Path(output), coordinator=coordinator, external_stop=lambda: stop_signal.value or None,
+                outcome=outcome, **options,
+            )  # fmt: skip
         finally:
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
-        message = ("ok", None)
+        message = ("ok", outcome)
     except BaseException as exc:  # noqa: BLE001 - reported to the launcher
         own = getattr(exc, "from_worker", rank) == rank
         if own and not isinstance(exc, (PreshardError, OSError, KeyboardInterrupt)):
@@ -221,6 +224,7 @@ def run_workers(
     overwrite: bool = False,
     wait: bool = False,
     progress: bool | None = None,
+    outcome: Any = None,
 ) -> Manifest:
     """Convert `job` (a `ConversionPlan`) into `output` with `workers` local processes (forked: nothing is imported
     again), each running `write` (`convert.write_conversion`) on its share.
@@ -244,6 +248,7 @@ def run_workers(
             for rank in range(workers):
                 options = {"overwrite": overwrite, "wait": wait, "progress": progress if rank == 0 else False}
                 options["check_model"] = True  # on the lowest rank, while it converts
+                options["outcome"] = copy.copy(outcome) if rank == 0 else None  # filled in, sent back
                 reader, writer = ctx.Pipe(duplex=False)
                 args = (
                     rank,
@@ -282,6 +287,8 @@ def run_workers(
             for conn in readers:
                 conn.close()
     if all(kind == "ok" for kind, _ in outcomes.values()):
+        if outcome is not None and outcomes[0][1] is not None:
+            vars(outcome).update(vars(outcomes[0][1]))
         return read_manifest(output)
     raise _launcher_error(outcomes, stop.signal_number)
 
