@@ -60,8 +60,8 @@ class CheckpointSource:
         return [entry.name for entry in self.in_file_order()]
 
     def input_paths(self) -> list[Path]:
-        """Files the output must not overlap."""
-        return [h.path for h in self.files]
+        """What the output must not overlap: the files, and a folder source's folder (no output inside it)."""
+        return [h.path for h in self.files] + ([self.path] if self.kind == "folder" else [])
 
     def config_bytes(self) -> bytes | None:
         return self.config_path.read_bytes() if self.config_path is not None else None

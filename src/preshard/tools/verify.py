@@ -44,10 +44,15 @@ from preshard.format.manifest import (
 )
 from preshard.format.slicing import BufferPool, tensor_pieces
 from preshard.progress import Progress
-from preshard.units import human_bytes
+from preshard.units import human_bytes, plural
 
 SCAN_BLOCK = 8 << 20
 MAX_SHOWN = 20
+# What to do about any problem verify finds: the checkpoint's files no longer are what was converted.
+FIX = (
+    "copy the checkpoint folder again from a good copy (a Hub repo: delete the damaged files from the HF cache), or "
+    "convert the source again with --overwrite"
+)
 
 
 @dataclass
@@ -78,14 +83,14 @@ class VerifyResult:
 
     def summary(self) -> str:
         what = (
-            f"{self.tensors} tensors, {self.chunks} chunks, {self.files} data files "
+            f"{plural(self.tensors, 'tensor')}, {plural(self.chunks, 'chunk')}, {plural(self.files, 'data file')} "
             f"({human_bytes(self.bytes_hashed)} hashed)"
         )
         if self.source is not None:
-            what += f"; {self.source_tensors} tensors equal to the source bit for bit"
+            what += f"; {plural(self.source_tensors, 'tensor')} equal to the source bit for bit"
         if self.ok:
             return f"OK {self.checkpoint}: {what}"
-        return f"FAILED {self.checkpoint}: {len(self.problems)} problems; checked {what}"
+        return f"FAILED {self.checkpoint}: {plural(len(self.problems), 'problem')}; checked {what}; {FIX}"
 
     def report_lines(self, limit: int = MAX_SHOWN) -> list[str]:
         lines = list(self.problems[:limit])
@@ -99,6 +104,7 @@ class VerifyResult:
             "damaged_tensors": list(self.damaged_tensors), "files": self.files, "bytes_hashed": self.bytes_hashed,
             "tensors": self.tensors, "chunks": self.chunks, "source": self.source,
             "source_files": self.source_files, "source_tensors": self.source_tensors,
+            "fix": None if self.ok else FIX,
         }  # fmt: skip
 
 
@@ -176,7 +182,7 @@ def _check_data_files(checkpoint: Path, manifest: Manifest, result: VerifyResult
         chunks = sorted(by_file[record.name], key=lambda c: c.offset)
         if not path.is_file():
             names = _tensor_names(chunks)
-            result.add(f"data file {record.name} is missing ({len(chunks)} chunks of {names})")
+            result.add(f"data file {record.name} is missing ({plural(len(chunks), 'chunk')} of {names})")
             for c in chunks:
                 bad.add(id(c))
                 result.damaged(c.tensor)
