@@ -1,7 +1,7 @@
 """The converter: bit-exact round trips through torch's own DCP readers, each rank's file holding exactly
 its slices, the mesh layout, plans, --dtype, and the CLI's one-line errors.
 
-Expected slices are computed here by hand from the styles' definitions in DESIGN.md (never with
+Expected slices are computed here by hand from the styles' definitions in docs/design.md (never with
 preshard's own slicing code), and every read of the converted files goes through torch or raw bytes.
 """
 
