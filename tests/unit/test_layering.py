@@ -38,7 +38,7 @@ RULES: dict[str, set[str]] = {
     # the planner sizes a conversion with the converter's own planning (and an unshard with unshard's checks);
     # reshard/unshard write through the converter.
     "tools/planner.py": {"format", "plans", "sources", "converter", "tools/estimate.py", "tools/unshard.py"},
-    "tools/estimate.py": {"sources"},
+    "tools/estimate.py": {"format", "sources"},
     "tools/reshard.py": {"format", "plans", "sources", "converter"},
     "tools/unshard.py": {"format", "sources", "converter"},
     "examples": {"examples"},
