@@ -19,9 +19,9 @@ from tiny_lora import diffusers_fused, linear_names, make_kohya_flux_lora, make_
 
 from preshard.cli import convert_checkpoint_command, main
 from preshard.converter import convert as convert_module
-from preshard.converter.convert import convert_checkpoint, plan_conversion
+from preshard.converter.convert import ConversionOutcome, convert_checkpoint, plan_conversion
 from preshard.converter.lora import TILE_ROWS, fuse_rows, fuse_state_dict, open_loras
-from preshard.errors import MismatchError, SourceError, UsageError
+from preshard.errors import MismatchError, OutputError, SourceError, UsageError
 from preshard.format import slicing
 from preshard.format.manifest import read_manifest
 from preshard.format.mesh import MeshSpec
@@ -256,6 +256,22 @@ def test_resume_only_with_the_same_loras(flux, tmp_path, monkeypatch, change):
     convert_checkpoint(source, fresh, tp=2, progress=False, loras=loras)
     for f in read_manifest(fresh).files:
         assert (out / f.name).read_bytes() == (fresh / f.name).read_bytes()
+
+
+@pytest.mark.parametrize("change", ["same", "scale", "none"])
+def test_a_finished_conversion_is_already_converted_only_with_the_same_loras(flux, tmp_path, change):
+    source, every, _ = flux
+    out = tmp_path / "out"
+    convert_checkpoint(source, out, tp=2, progress=False, loras=[(every, 0.5)])
+    loras = {"same": [(every, 0.5)], "scale": [(every, 0.25)], "none": None}[change]
+    outcome = ConversionOutcome()
+    if change == "same":
+        convert_checkpoint(source, out, tp=2, progress=False, loras=loras, outcome=outcome)
+        assert outcome.status == "already converted"
+        return
+    with pytest.raises(OutputError, match="--overwrite"):  # another conversion: never "nothing to do"
+        convert_checkpoint(source, out, tp=2, progress=False, loras=loras, outcome=outcome)
+    assert outcome.status != "already converted"
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -31,8 +31,8 @@ from typing import Any, Literal
 
 import torch
 
-from preshard.errors import PreshardError
-from preshard.examples.minimax_h3 import WEIGHTS_INDEX_NAME, WEIGHTS_NAME, _keeps_fp32, _model_class
+from preshard.errors import UsageError
+from preshard.examples.minimax_h3 import WEIGHTS_INDEX_NAME, WEIGHTS_NAME, keeps_fp32, model_class
 
 TensorSpecs = dict[str, tuple[str, tuple[int, ...]]]
 
@@ -70,7 +70,7 @@ def minimax_h3_tensors(
         overrides["num_layers"] = num_layers
     if num_refiner_layers is not None:
         overrides["num_refiner_layers"] = num_refiner_layers
-    return model_tensors(_model_class(), **overrides)
+    return model_tensors(model_class(), **overrides)
 
 
 def model_tensors(cls: type, **config: Any) -> tuple[TensorSpecs, dict[str, Any]]:
@@ -86,15 +86,15 @@ def model_tensors(cls: type, **config: Any) -> tuple[TensorSpecs, dict[str, Any]
     params = inspect.signature(cls.__init__).parameters
     unknown = sorted(set(config) - (set(params) - {"self"}))
     if unknown:
-        raise PreshardError(f"unknown {cls.__name__} config keys {unknown}")
+        raise UsageError(f"unknown {cls.__name__} config keys {unknown}")
     with torch.device("meta"):
         model = cls(**config)
     keep = list(getattr(cls, "_keep_in_fp32_modules", None) or [])
     tensors: TensorSpecs = {}
     for name, t in model.state_dict().items():
-        code = "F32" if _keeps_fp32(name, keep) else "BF16"
+        code = "F32" if keeps_fp32(name, keep) else "BF16"
         if t.dtype not in _TORCH_CODES:  # a non-float state entry would keep its own dtype
-            raise PreshardError(f"{name}: unexpected dtype {t.dtype} in {cls.__name__}")
+            raise UsageError(f"{name}: unexpected dtype {t.dtype} in {cls.__name__}")
         tensors[name] = (code, tuple(t.shape))
     out: dict[str, Any] = {"_class_name": cls.__name__}
     for key, value in model.config.items():
@@ -120,7 +120,7 @@ def _shards(tensors: Mapping[str, tuple[str, tuple[int, ...]]], max_shard_bytes:
     if max_shard_bytes is None or max_shard_bytes >= total_nbytes(tensors):
         return [names]
     if max_shard_bytes <= 0:
-        raise PreshardError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+        raise UsageError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     shards: list[list[str]] = [[]]
     size = 0
     for name in names:
@@ -141,7 +141,7 @@ def safetensors_header(tensors: Mapping[str, tuple[str, tuple[int, ...]]]) -> tu
     """
     for name, (code, _) in tensors.items():
         if code not in ITEMSIZE:
-            raise PreshardError(f"{name}: unsupported safetensors dtype {code!r}")
+            raise UsageError(f"{name}: unsupported safetensors dtype {code!r}")
     order = sorted(tensors, key=lambda n: (-_DTYPE_RANK[tensors[n][0]], n))
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
@@ -192,7 +192,7 @@ def write_safetensors_checkpoint(
     and truncates each file to its full size (sparse: no data blocks, reads return zeros).
     """
     if data not in ("random", "hole"):
-        raise PreshardError(f"data must be 'random' or 'hole', got {data!r}")
+        raise UsageError(f"data must be 'random' or 'hole', got {data!r}")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(dict(config), indent=2) + "\n")

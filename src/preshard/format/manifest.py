@@ -28,7 +28,14 @@ from typing import Any
 import torch
 import xxhash
 
-from preshard.errors import CorruptCheckpointError, PlanError, PreshardError, UsageError
+from preshard.errors import (
+    CheckpointFileMissingError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    PlanError,
+    PreshardError,
+    UsageError,
+)
 from preshard.format.dtypes import CAST_TARGETS, cast_dtype, dtype_from_name, dtype_name
 from preshard.format.jsonio import canonical_json, read_json
 from preshard.format.layout import ChunkRecord, TensorLayout, data_file_name
@@ -54,9 +61,9 @@ def created_now() -> str:
     source are byte-identical."""
     epoch = os.environ.get("SOURCE_DATE_EPOCH")
     when = (
-        datetime.datetime.fromtimestamp(int(epoch), datetime.timezone.utc)
+        datetime.datetime.fromtimestamp(int(epoch), datetime.UTC)
         if epoch and epoch.isdigit()
-        else datetime.datetime.now(datetime.timezone.utc)
+        else datetime.datetime.now(datetime.UTC)
     )
     return when.isoformat(timespec="seconds")
 
@@ -215,6 +222,10 @@ class Manifest:
         """What one TP rank reads: its own chunks plus every replicated tensor."""
         return {name: [c for c in record.chunks if c.owner in (None, tp_rank)] for name, record in self.tensors.items()}
 
+    def read_bytes(self, tp_rank: int) -> int:
+        """The bytes this TP rank reads at load (`ChunkRecord.load_bytes` of each record it reads)."""
+        return sum(c.load_bytes for chunks in self.chunks_for_tp_rank(tp_rank).values() for c in chunks)
+
     def files_for_tp_rank(self, tp_rank: int) -> list[str]:
         names = {c.file for chunks in self.chunks_for_tp_rank(tp_rank).values() for c in chunks}
         return [f.name for f in self.files if f.name in names]
@@ -295,11 +306,11 @@ def read_manifest(checkpoint: str | Path) -> Manifest:
     if path.is_dir():
         path = path / MANIFEST_NAME
     elif not path.exists() and (path.name != MANIFEST_NAME or not path.parent.is_dir()):
-        raise CorruptCheckpointError(
+        raise CheckpointNotFoundError(
             f"checkpoint {checkpoint} does not exist; pass the folder convert-checkpoint wrote"
         )
     if not path.is_file():
-        raise CorruptCheckpointError(
+        raise CheckpointFileMissingError(
             f"{path.parent} is not a complete preshard checkpoint ({MANIFEST_NAME} is missing); "
             "convert it with convert-checkpoint, or re-run an interrupted conversion"
         )

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from preshard.errors import DeviceError
+from preshard.errors import CollectiveRuleViolation, DeviceError
 
 __all__ = [
     "CollectiveCall",
@@ -46,10 +46,6 @@ __all__ = [
 _MAX_SHAPE_DIMS = 15
 # torch >= 2.10 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
 _ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-class CollectiveRuleViolation(RuntimeError):
-    """A collective that Neuron/XLA would reject (or hang on), caught before it is issued."""
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,9 @@ class CPState:
             raise PreshardError(
                 f"context parallel: {where} has sequence length {length}, and this forward pass split {self.seq_len} "
                 f"rows earlier; when sequences of different lengths are split, each must be a multiple of the CP "
-                f"size {self.cp_size}: pad the inputs"
+                f"size {self.cp_size}: in a pipeline, pick the height, width, num_frames or max_sequence_length that "
+                f"make each sequence a multiple of {self.cp_size} (or run with a CP size dividing both); calling the "
+                f"model directly, pad each input sequence to a multiple of {self.cp_size}"
             )
 
     def attention_length(self, local_rows: int) -> int:
