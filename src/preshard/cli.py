@@ -27,8 +27,8 @@ from contextlib import contextmanager
 import click
 
 from preshard import __version__
-from preshard.converter.signals import raising_signals
-from preshard.errors import Interrupted, PreshardError
+from preshard.converter.signals import interruption, raising_signals, received_signal
+from preshard.errors import Interrupted, PreshardError, ResourceError
 
 EXIT_PROBLEMS, EXIT_USAGE = 1, 2
 EXIT_CODES_HELP = (
@@ -38,6 +38,9 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
 
 
 def _fail(message: str, status: int = EXIT_USAGE) -> None:
+    signum = received_signal()
+    if signum is not None and status != 128 + signum:  # the signal came first: its exception may have been swallowed
+        message, status = str(interruption(signum)), 128 + signum
     click.echo(f"error: {message}", err=True)
     sys.exit(status)
 
@@ -59,6 +62,11 @@ def user_errors(fn):
             _fail(f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
         except KeyboardInterrupt:
             _fail("interrupted", 128 + signal.SIGINT)
+        except (MemoryError, RuntimeError) as exc:
+            resource = ResourceError.of(exc, f"running {fn.__name__.removesuffix('_command')}")
+            if resource is None:
+                raise
+            _fail(str(resource))
 
     return wrapper
 
@@ -77,6 +85,8 @@ class _OneLineErrors:
         try:
             with raising_signals(ignore_after=program):
                 return self._main_one_line(args, *rest, **kwargs)
+        except Interrupted as exc:  # a signal whose exception was swallowed: the command must not succeed
+            _fail(str(exc), 128 + exc.signal_number)
         finally:
             if program:  # the process ends now: its last collections need not walk torch's objects (~1 s of exit)
                 gc.freeze()

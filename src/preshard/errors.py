@@ -57,3 +57,22 @@ class Interrupted(PreshardError):
     def __init__(self, message: str, signal_number: int) -> None:
         super().__init__(message)
         self.signal_number = signal_number
+
+
+class ResourceError(PreshardError):
+    """The machine ran out of what the command needs (memory, threads): nothing half-written is kept as complete."""
+
+    @classmethod
+    def of(cls, exc: BaseException, doing: str) -> ResourceError | None:
+        """The one-line form of `exc` when it is the machine running out (MemoryError, a thread that cannot start),
+        else None; `doing` says what ran out of it ("converting", "loading")."""
+        if isinstance(exc, MemoryError):
+            return cls(
+                f"out of memory while {doing}; free memory or raise the process's limit (ulimit -v), then re-run"
+            )
+        if isinstance(exc, RuntimeError) and "can't start new thread" in str(exc):
+            return cls(
+                f"cannot start a thread while {doing} (the process's thread or memory limit is reached); raise the "
+                "limit (ulimit -u, ulimit -v) or free memory, then re-run"
+            )
+        return None
