@@ -62,7 +62,9 @@ def user_errors(fn):
             _fail(f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
         except KeyboardInterrupt:
             _fail("interrupted", 128 + signal.SIGINT)
-        except (MemoryError, RuntimeError) as exc:
+        except Exception as exc:
+            if received_signal() is not None:  # what broke after a signal (a module it left half-imported): the signal
+                _fail("interrupted")  # is the cause, and _fail reports it
             resource = ResourceError.of(exc, f"running {fn.__name__.removesuffix('_command')}")
             if resource is None:
                 raise
@@ -105,6 +107,10 @@ class _OneLineErrors:
             _fail(f"{exc.format_message()} (see {command} --help)")
         except click.ClickException as exc:
             _fail(exc.format_message())
+        except Exception:
+            if received_signal() is None:
+                raise
+            _fail("interrupted")  # reports the signal received, whatever broke after it
 
 
 class Command(_OneLineErrors, click.Command):
