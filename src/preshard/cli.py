@@ -27,8 +27,8 @@ from contextlib import contextmanager
 import click
 
 from preshard import __version__
-from preshard.converter.signals import raising_signals
-from preshard.errors import Interrupted, PreshardError
+from preshard.converter.signals import interruption, raising_signals, received_signal
+from preshard.errors import Interrupted, PreshardError, ResourceError
 
 EXIT_PROBLEMS, EXIT_USAGE = 1, 2
 EXIT_CODES_HELP = (
@@ -38,6 +38,9 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
 
 
 def _fail(message: str, status: int = EXIT_USAGE) -> None:
+    signum = received_signal()
+    if signum is not None and status != 128 + signum:  # the signal came first: its exception may have been swallowed
+        message, status = str(interruption(signum)), 128 + signum
     click.echo(f"error: {message}", err=True)
     sys.exit(status)
 
@@ -59,6 +62,13 @@ def user_errors(fn):
             _fail(f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
         except KeyboardInterrupt:
             _fail("interrupted", 128 + signal.SIGINT)
+        except Exception as exc:
+            if received_signal() is not None:  # what broke after a signal (a module it left half-imported): the signal
+                _fail("interrupted")  # is the cause, and _fail reports it
+            resource = ResourceError.of(exc, f"running {fn.__name__.removesuffix('_command')}")
+            if resource is None:
+                raise
+            _fail(str(resource))
 
     return wrapper
 
@@ -79,6 +89,8 @@ class _OneLineErrors:
         try:
             with raising_signals(ignore_after=program):
                 return self._main_one_line(args, *rest, **kwargs)
+        except Interrupted as exc:  # a signal whose exception was swallowed: the command must not succeed
+            _fail(str(exc), 128 + exc.signal_number)
         finally:
             if program:  # the process ends now: its last collections need not walk torch's objects (~1 s of exit)
                 gc.freeze()
@@ -97,6 +109,10 @@ class _OneLineErrors:
             _fail(f"{exc.format_message()} (see {command} --help)")
         except click.ClickException as exc:
             _fail(exc.format_message())
+        except Exception:
+            if received_signal() is None:
+                raise
+            _fail("interrupted")  # reports the signal received, whatever broke after it
 
 
 class Command(_OneLineErrors, click.Command):

@@ -23,6 +23,7 @@ kinds below, or the builtin category each kind also belongs to, as they would fo
     ├── MismatchError                                   ValueError
     ├── DeviceError                                     RuntimeError
     ├── WorkerError                                     RuntimeError
+    ├── ResourceError                                   MemoryError (out of memory, or no thread can start)
     └── Interrupted                                     (SIGINT/SIGTERM; carries the signal number)
 
     CollectiveRuleViolation                             RuntimeError: a bug, not a user's mistake (no PreshardError)
@@ -129,6 +130,28 @@ class Interrupted(PreshardError):
         self.signal_number = signal_number
 
 
+class ResourceError(PreshardError, MemoryError):
+    """The machine ran out of what the command needs (memory, threads): nothing half-written is kept as complete."""
+
+    @classmethod
+    def of(cls, exc: BaseException, doing: str) -> ResourceError | None:
+        """The one-line form of `exc` when it is the machine running out (MemoryError, a thread that cannot start),
+        else None; `doing` says what ran out of it ("converting", "loading"). A ResourceError is itself (it is a
+        MemoryError too, and may already say that a thread could not start)."""
+        if isinstance(exc, ResourceError):
+            return exc
+        if isinstance(exc, MemoryError):
+            return cls(
+                f"out of memory while {doing}; free memory or raise the process's limit (ulimit -v), then re-run"
+            )
+        if isinstance(exc, RuntimeError) and "can't start new thread" in str(exc):
+            return cls(
+                f"cannot start a thread while {doing} (the process's thread or memory limit is reached); raise the "
+                "limit (ulimit -u, ulimit -v) or free memory, then re-run"
+            )
+        return None
+
+
 class CollectiveRuleViolation(RuntimeError):
     """A collective that Neuron/XLA would reject (or hang on), caught before it is issued by the rule checker
     (`runtime.collectives.NeuronRuleChecker`): a bug in preshard, so not a PreshardError."""
@@ -150,6 +173,7 @@ __all__ = [
     "OutputPermissionError",
     "PlanError",
     "PreshardError",
+    "ResourceError",
     "SourceAccessError",
     "SourceError",
     "SourceNotFoundError",

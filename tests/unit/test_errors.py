@@ -35,6 +35,7 @@ CATEGORIES = {
     "MismatchError": ValueError,
     "DeviceError": RuntimeError,
     "WorkerError": RuntimeError,
+    "ResourceError": MemoryError,
 }
 
 

@@ -38,13 +38,14 @@ from preshard.converter.workdir import (
     resume,
 )
 from preshard.converter.writer import RecordFileWriter, stage_bytes
-from preshard.errors import MismatchError, PreshardError, UsageError
+from preshard.errors import MismatchError, PreshardError, ResourceError, UsageError
 from preshard.format import slicing
 from preshard.format.dtypes import dtype_name, parse_cast
 from preshard.format.jsonio import fsync_file, write_json_atomic
 from preshard.format.layout import ChunkRecord, FileLayout, TensorLayout, data_file_name, place_records
 from preshard.format.manifest import (
     CONFIG_NAME,
+    DCP_METADATA_NAME,
     MANIFEST_NAME,
     FileRecord,
     Manifest,
@@ -337,6 +338,7 @@ def write_conversion(
     """
     coord = coordinator or Coordinator()
     with ExitStack() as stack:
+        stack.enter_context(_resources_as_errors("converting"))
         stack.enter_context(_gc_paused())
         error = None
         if coord.rank == 0:
@@ -354,10 +356,23 @@ def write_conversion(
                 "every worker with the same arguments on the same source"
             )
         stop = stack.enter_context(deferred_signals())
+        stop.check()  # a signal that came before, its exception swallowed (numpy's import does): stop before writing
         background = _Background(check_model and coord.rank == 0, job)
         conversion = _Conversion(job, output, coord, _stop_check(stop, external_stop, background), overwrite)
         conversion.outcome = outcome
         return conversion.run(progress)
+
+
+@contextlib.contextmanager
+def _resources_as_errors(doing: str) -> Iterator[None]:
+    """Running out of memory or threads (a low `ulimit -v`) is one line, a `ResourceError`, not a traceback."""
+    try:
+        yield
+    except (MemoryError, RuntimeError) as exc:
+        resource = ResourceError.of(exc, doing)
+        if resource is None:
+            raise
+        raise resource from None
 
 
 @contextlib.contextmanager
@@ -440,6 +455,7 @@ class _Conversion:
         self.writers: dict[str, RecordFileWriter] = {}
         self.done: dict[str, list[ChunkRecord]] = {}
         self.sums: dict[str, dict[int, str]] = {}  # the lowest rank: every chunk checksum written, from the points
+        self.proofs: dict[str, str] = {}  # the lowest rank: what each tensor was read from (journalled with it)
         self.reader: SourceRows | None = None
         self.journal: Journal | None = None
         self.identity = self.config_bytes = None
@@ -470,7 +486,10 @@ class _Conversion:
                 check_space(self.output, self.work, space_needed(job))
                 self.identity = src.identity()
                 open_workdir(self.work, _job_key(job))  # another job's partial is cleared: nothing to resume
-                done, opened = resume(self.work, job.write_order, job.files, tp, self.check_stop)
+                self.reader = src.open_reader()  # first: it proves (re-reading) what the journal may keep
+                done, opened = resume(
+                    self.work, job.write_order, job.files, tp, self.check_stop, prove=self.reader.prove
+                )
                 for r, w in opened.items():
                     if data_file_name(r) in self.mine:
                         self.writers[data_file_name(r)] = w
@@ -491,7 +510,8 @@ class _Conversion:
                 self.writers = _adopt(self.work, self.done, self.mine)
             for w in self.writers.values():
                 w.resize_stage(stage_bytes(len(self.writers)))
-            self.reader = src.open_reader()
+            if self.reader is None:
+                self.reader = src.open_reader()
             if self.coord.rank == 0:
                 self.journal = Journal(self.work, keep_lines=len(self.done))
         except BaseException as exc:
@@ -502,21 +522,24 @@ class _Conversion:
         """Every process writes its files through the pipeline; returns every process's file checksums and
         source hashes."""
         job, done, coord = self.job, self.done, self.coord
-        hashed = _hashed_here(job, self.reader, coord)
+        hashed = _hashed_here(job, self.reader, coord, done)
         points = _sync_points(job, done)
 
         def exchange(point: int, checksums: dict, failure: BaseException | None) -> list:
-            return coord.exchange(checksums, failure)
+            # With the source proofs of what this process read whole since the last point (see SourceReader).
+            return coord.exchange((checksums, self.reader.take_proofs()), failure)
 
         def claim(point: int, gathered: list) -> None:
-            for part in gathered:
+            for part, proofs in gathered:
                 for name, by_position in part.items():
                     self.sums.setdefault(name, {}).update(by_position)
+                self.proofs.update(proofs)
             if self.journal is not None:
                 low = points[point - 1] + 1 if point else 0
                 names = [n for n in job.write_order[low : points[point] + 1] if n not in done]
                 chunks = {n: [self.sums[n][i] for i in range(len(job.files.chunks[n]))] for n in names}
-                self.journal.append([{"tensor": n, "chunks": chunks[n]} for n in names])
+                proofs = {n: self.proofs.pop(n, None) for n in names}
+                self.journal.append([{"tensor": n, "chunks": chunks[n], "source": proofs[n]} for n in names])
 
         mine = [c for chunks in job.files.chunks.values() for c in chunks if c.file in self.mine]
         kept = sum(c.framing.length for chunks in done.values() for c in chunks if c.file in self.mine)
@@ -572,7 +595,8 @@ class _Conversion:
                     fsync_file(work / CONFIG_NAME)
                 from preshard.format.dcp_metadata import write_dcp_metadata
 
-                write_dcp_metadata(work, manifest)
+                metadata = write_dcp_metadata(work, manifest)
+                manifest = replace(manifest, metadata=FileRecord.of(DCP_METADATA_NAME, metadata)).sealed()
                 for name in ("journal.jsonl", "job.json"):
                     (work / name).unlink(missing_ok=True)
                 write_json_atomic(work / MANIFEST_NAME, manifest.to_dict())
@@ -605,24 +629,25 @@ def _adopt(work: Path, done: dict[str, list[ChunkRecord]], mine: set[str]) -> di
     return writers
 
 
-def _hashed_here(job: ConversionPlan, reader: SourceRows, coord: Coordinator) -> set[str]:
-    """The source files this process hashes: round robin over the processes in read order. A file part of
-    which is done already is hashed separately at the end (the in-order read skips that part)."""
+def _hashed_here(job: ConversionPlan, reader: SourceRows, coord: Coordinator, done: dict) -> set[str]:
+    """The source files this process hashes (and so proves each tensor of, for the journal): round robin over the
+    processes in read order, except that a file part of which is kept from an earlier run is the lowest rank's,
+    whose resume check read that part in order (its hash goes on from there)."""
     files = list(dict.fromkeys(reader.file_of(name) for name in job.write_order))
-    return {f for i, f in enumerate(files) if i % coord.world == coord.rank}
+    resumed = {reader.file_of(name) for name in done}
+    return {f for i, f in enumerate(files) if (coord.rank == 0 if f in resumed else i % coord.world == coord.rank)}
 
 
 def _tasks(job: ConversionPlan, reader: SourceRows, done: dict, mine: set[str], hashed: set[str]) -> list[TensorWork]:
     """The tensors this process reads, in write order: those with chunks in its files, and, read whole for their
-    hash, the rest of the source files it hashes (unless part of the file is done, which breaks the order)."""
-    gaps = {reader.file_of(name) for name in done}
+    hash and proofs, the rest of the source files it hashes."""
     tasks = []
     for index, name in enumerate(job.write_order):
         if name in done:
             continue
         planned = job.files.chunks[name]
         own = [c for c in planned if c.file in mine]
-        whole = reader.file_of(name) in hashed - gaps
+        whole = reader.file_of(name) in hashed
         if own or whole:
             layout = job.layouts[name]
             bands = slicing.band_plan(layout, own, whole=whole, band_bytes=job.band_bytes)

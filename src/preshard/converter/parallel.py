@@ -286,11 +286,12 @@ def run_workers(
                     proc.join()
             for conn in readers:
                 conn.close()
-    if all(kind == "ok" for kind, _ in outcomes.values()):
-        if outcome is not None and outcomes[0][1] is not None:
-            vars(outcome).update(vars(outcomes[0][1]))
-        return read_manifest(output)
-    raise _launcher_error(outcomes, stop.signal_number)
+        # Inside the block: a signal the workers finished before acting on is delivered when it ends (no exit 0).
+        if all(kind == "ok" for kind, _ in outcomes.values()):
+            if outcome is not None and outcomes[0][1] is not None:
+                vars(outcome).update(vars(outcomes[0][1]))
+            return read_manifest(output)
+        raise _launcher_error(outcomes, stop.signal_number)
 
 
 def _launcher_error(outcomes: dict[int, tuple[str, Any]], signal_number: int | None) -> BaseException:

@@ -3,10 +3,12 @@
 Everything is written into a hidden sibling `.<out>.partial/`, guarded by an exclusive `flock` on
 `.<out>.lock` for the whole run (a second conversion into the same output fails at once naming the
 first one's pid, or waits; the kernel drops the lock of a process that dies, so no lock goes stale).
-A journal records each finished tensor with its chunk checksums once its bytes are durable (batched
-fsyncs). A re-run of the same job re-checks the journalled records completely, framing and data, keeps
-what is intact and redoes the rest. Only when every file is complete and fsynced, the manifest written
-last, is the folder renamed into place: a crash leaves no output or the previous complete one.
+A journal records each finished tensor with its chunk checksums and a proof of the source bytes it
+came from, once its bytes are durable (batched fsyncs). A re-run of the same job keeps a journalled
+tensor only if the source still holds those bytes (the proof, re-derived from the source as it is now)
+and its records are intact (re-checked completely, framing and data), and redoes the rest. Only when
+every file is complete and fsynced, the manifest written last, is the folder renamed into place: a crash
+leaves no output or the previous complete one.
 """
 
 from __future__ import annotations
@@ -386,11 +388,23 @@ def open_writers(
 
 
 def resume(
-    work: Path, write_order: list[str], files: FileLayout, tp: int, check_stop: Callable[[], None] | None = None
+    work: Path,
+    write_order: list[str],
+    files: FileLayout,
+    tp: int,
+    check_stop: Callable[[], None] | None = None,
+    prove: Callable[[list[tuple[str, str | None]], Callable[[], None] | None], int] | None = None,
 ) -> tuple[dict[str, list[ChunkRecord]], dict[int, RecordFileWriter]]:
-    """The journalled tensors that are still intact (a prefix of the write order, every record re-checked), and
-    writers positioned right after them: a damaged record and everything written after it is redone."""
+    """The journalled tensors that are still intact (a prefix of the write order, every record re-checked) and
+    still what the source holds, and writers positioned right after them: a damaged record, a tensor whose source
+    bytes changed, and everything written after either is redone.
+
+    Args:
+        prove: `prove([(tensor, journalled source proof), ...], check_stop)` says how many leading tensors the
+            source proves unchanged (`SourceRows.prove`); without it nothing is kept.
+    """
     done: dict[str, list[ChunkRecord]] = {}
+    proofs: list[tuple[str, str | None]] = []
     for name, entry in zip(write_order, read_journal(work)):
         planned = files.chunks[name]
         sums = entry.get("chunks")
@@ -401,6 +415,10 @@ def resume(
         done[name] = [
             ChunkRecord(c.tensor, c.owner, c.box, c.file, c.offset, c.framing, s) for c, s in zip(planned, sums)
         ]
+        source = entry.get("source")
+        proofs.append((name, source if isinstance(source, str) else None))
+    proven = prove(proofs, check_stop) if prove is not None and proofs else 0
+    done = {name: done[name] for name, _ in proofs[:proven]}
     while True:
         try:
             return done, open_writers(work, tp, done, check_stop)
@@ -421,6 +439,7 @@ def fresh_workdir(
     """
     check_output(output, inputs, overwrite, kind)
     with OutputLock(output, wait=wait), deferred_signals() as stop:
+        stop.check()  # a signal that came before, its exception swallowed: stop before writing
         check_output(output, inputs, overwrite, kind)  # again, now that we hold the lock
         work = partial_dir(output)
         if work.is_symlink() or work.is_file():

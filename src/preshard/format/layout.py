@@ -24,6 +24,21 @@ from preshard.format.styles import REPLICATE, Box, Style
 from preshard.format.torch_record import RecordFraming, record_framing
 
 DATA_FILE_PATTERN = "__{}_0.distcp"
+INT64_MAX = (1 << 63) - 1
+
+
+def fits_int64(shape: Iterable[int], itemsize: int) -> bool:
+    """Whether torch can hold a tensor of `shape`: its contiguous strides (a zero-size dim counts as 1, as torch
+    computes them) and its byte size fit int64. Checked before anything iterates over or allocates a shape read from
+    a file, so a hostile header costs one line, not memory or time."""
+    span = max(itemsize, 1)
+    for size in shape:
+        if size < 0:
+            return False
+        span *= max(size, 1)
+        if span > INT64_MAX:
+            return False
+    return True
 
 
 def data_file_name(tp_rank: int) -> str:

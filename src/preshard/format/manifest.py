@@ -37,8 +37,9 @@ from preshard.errors import (
     UsageError,
 )
 from preshard.format.dtypes import CAST_TARGETS, cast_dtype, dtype_from_name, dtype_name
-from preshard.format.jsonio import canonical_json, read_json
-from preshard.format.layout import ChunkRecord, TensorLayout, data_file_name
+from preshard.format.folder import CheckpointFolder
+from preshard.format.jsonio import canonical_json, parse_json_text
+from preshard.format.layout import INT64_MAX, ChunkRecord, TensorLayout, data_file_name, fits_int64
 from preshard.format.mesh import MeshSpec
 from preshard.format.plan import Plan, resolve_plan
 from preshard.format.styles import make_style
@@ -213,6 +214,7 @@ class Manifest:
     preshard_version: str = ""
     created: str = ""
     digest: str = ""
+    metadata: FileRecord | None = None  # `.metadata`'s size and hash (absent from manifests written before it)
 
     @property
     def tp(self) -> int:
@@ -274,6 +276,8 @@ class Manifest:
             "tensors": {name: self.tensors[name].to_dict() for name in sorted(self.tensors)},
             "files": [vars(f).copy() for f in self.files],
             "ranks": self.rank_table(),
+            # Only when recorded, so that a manifest written before the field existed keeps its digest.
+            **({"metadata": vars(self.metadata).copy()} if self.metadata is not None else {}),
         }  # fmt: skip
 
     def compute_digest(self) -> str:
@@ -296,26 +300,59 @@ class Manifest:
         return _Parser(origin).manifest(data)
 
 
+def manifest_folder(checkpoint: str | Path) -> Path:
+    """The checkpoint folder `checkpoint` names: the folder itself, or the folder of a `manifest.json` path.
+
+    Raises:
+        CheckpointNotFoundError: no such folder. CorruptCheckpointError: a file that is not a manifest.json.
+    """
+    path = Path(checkpoint)
+    if path.is_dir():
+        return path
+    if path.name == MANIFEST_NAME and path.parent.is_dir():
+        return path.parent
+    if path.exists():
+        raise CorruptCheckpointError(
+            f"checkpoint {checkpoint} is a file, not a checkpoint folder; pass the folder convert-checkpoint wrote"
+        )
+    raise CheckpointNotFoundError(f"checkpoint {checkpoint} does not exist; pass the folder convert-checkpoint wrote")
+
+
 def read_manifest(checkpoint: str | Path) -> Manifest:
     """The manifest of a converted checkpoint folder (or of the `manifest.json` path itself).
+
+    Read through `CheckpointFolder`: a manifest that is a link out of the folder, or not a regular file, is refused.
 
     Raises:
         CorruptCheckpointError: no manifest (an incomplete conversion), or one that is damaged or edited.
     """
-    path = Path(checkpoint)
-    if path.is_dir():
-        path = path / MANIFEST_NAME
-    elif not path.exists() and (path.name != MANIFEST_NAME or not path.parent.is_dir()):
-        raise CheckpointNotFoundError(
-            f"checkpoint {checkpoint} does not exist; pass the folder convert-checkpoint wrote"
+    folder = CheckpointFolder(manifest_folder(checkpoint))
+    try:
+        raw = folder.read_bytes(MANIFEST_NAME)
+    except FileNotFoundError:
+        raise missing_manifest(folder.path) from None
+    return manifest_from_bytes(raw, folder.where(MANIFEST_NAME))
+
+
+def missing_manifest(folder: Path) -> CheckpointFileMissingError:
+    return CheckpointFileMissingError(
+        f"{folder} is not a complete preshard checkpoint ({MANIFEST_NAME} is missing); "
+        "convert it with convert-checkpoint, or re-run an interrupted conversion"
+    )
+
+
+def manifest_from_bytes(raw: bytes, origin: str) -> Manifest:
+    """Parse and validate a manifest's bytes (as read from `origin`).
+
+    Raises:
+        CorruptCheckpointError: not a JSON object, or a damaged or edited manifest.
+    """
+    data = parse_json_text(raw, origin, CorruptCheckpointError, "the checkpoint is damaged; convert it again")
+    if not isinstance(data, dict):
+        raise CorruptCheckpointError(
+            f"{origin} must hold a JSON object, not {type(data).__name__}; the checkpoint is damaged; convert it again"
         )
-    if not path.is_file():
-        raise CheckpointFileMissingError(
-            f"{path.parent} is not a complete preshard checkpoint ({MANIFEST_NAME} is missing); "
-            "convert it with convert-checkpoint, or re-run an interrupted conversion"
-        )
-    data = read_json(path, str(path), CorruptCheckpointError, "the checkpoint is damaged; convert it again")
-    return Manifest.from_dict(data, str(path))
+    return Manifest.from_dict(data, origin)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -347,6 +384,8 @@ class _Parser:
     def int(self, value: Any, where: str) -> int:
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise self.bad(f"{where} must be a whole number >= 0")
+        if value > INT64_MAX:
+            raise self.bad(f"{where} is {value}, more than a 64-bit size can hold")
         return value
 
     def str(self, value: Any, where: str, optional: bool = False) -> str | None:
@@ -362,9 +401,23 @@ class _Parser:
         return value
 
     def plain_name(self, value: Any, where: str) -> str:
-        if not isinstance(value, str) or not value or Path(value).name != value or value in (".", ".."):
+        if (
+            not isinstance(value, str)
+            or not value
+            or Path(value).name != value
+            or value in (".", "..")
+            or "\0" in value
+            or "\\" in value
+        ):
             raise self.bad(f"{where} {value!r} is not a plain file name")
         return value
+
+    def shape(self, value: Any, where: str, dtype: torch.dtype) -> tuple[int, ...]:
+        """A shape whose contiguous strides and byte size fit int64 (what torch can allocate and address)."""
+        shape = self.ints(value, f"{where} shape")
+        if not fits_int64(shape, dtype.itemsize):
+            raise self.bad(f"{where} shape {list(shape)} of {dtype_name(dtype)} is larger than a 64-bit size holds")
+        return shape
 
     def ints(self, value: Any, where: str) -> tuple[int, ...]:
         if not isinstance(value, list):
@@ -409,7 +462,7 @@ class _Parser:
             "format", "version", "preshard_version", "created", "source", "derived_from", "mesh", "plan", "dtype",
             "config", "records", "checksums", "tensors", "files", "ranks", "digest",
         }  # fmt: skip
-        self.obj(data, "manifest", top)
+        self.obj(data, "manifest", top, {"metadata"})
         digest = self.hex(data["digest"], "digest", _HEX32)
         body = {k: v for k, v in data.items() if k != "digest"}
         if xxhash.xxh3_128_hexdigest(canonical_json(body)) != digest:
@@ -426,6 +479,12 @@ class _Parser:
             mesh = MeshSpec.from_dict(data["mesh"])
         except UsageError as exc:
             raise self.bad(f"mesh: {exc}") from None
+        # The rank table is rebuilt below from the mesh: bound it by the table the file holds before building it.
+        if not isinstance(data["ranks"], list) or len(data["ranks"]) != mesh.world_size:
+            raise self.bad(
+                f"the rank table lists {len(data['ranks']) if isinstance(data['ranks'], list) else 'no'} ranks, "
+                f"but the mesh {mesh.describe()} has {mesh.world_size}"
+            )
         try:
             plan = Plan.from_dict(data["plan"], origin="plan")
         except PlanError as exc:
@@ -446,6 +505,7 @@ class _Parser:
             tensors=tensors,
             files=files,
             config=self.file_record(data["config"], "config") if data["config"] is not None else None,
+            metadata=self.metadata_record(data.get("metadata")),
             dtype=cast,
             derived_from=self.provenance(data["derived_from"]),
             preshard_version=self.str(data["preshard_version"], "preshard_version"),
@@ -477,9 +537,9 @@ class _Parser:
                 style = make_style(t["style"], t.get("blocks"), where)
             except PlanError as exc:
                 raise self.bad(str(exc)) from None
-            shape = self.ints(t["shape"], f"{where} shape")
             dtype = self.dtype(t["dtype"], where)
             source_dtype = self.dtype(t["source_dtype"], where)
+            shape = self.shape(t["shape"], where, max(dtype, source_dtype, key=lambda d: d.itemsize))
             if dtype != cast_dtype(source_dtype, cast):
                 raise self.bad(
                     f"{where} is stored as {dtype_name(dtype)}, but {dtype_name(source_dtype)} under the "
@@ -574,13 +634,15 @@ class _Parser:
             f = self.obj(f, f"source file {i}", {"name", "size", "xxh3_128", "header"})
             files.append(
                 SourceFile(
-                    self.str(f["name"], f"source file {i} name"),
+                    self.plain_name(f["name"], f"source file {i} name"),
                     self.int(f["size"], f"source file {i} size"),
                     self.hex(f["xxh3_128"], f"source file {i} xxh3_128", _HEX32),
                     self.str(f["header"], f"source file {i} header"),
                 )
             )
         optional = {k: self.str(s[k], f"source {k}", optional=True) for k in keys - {"kind", "path", "files"}}
+        if optional["index_name"] is not None:
+            self.plain_name(optional["index_name"], "source index_name")
         loras = self.loras(s["loras"]) if "loras" in s else ()
         return Source(
             kind=s["kind"], path=self.str(s["path"], "source path"), files=tuple(files), loras=loras, **optional
@@ -625,6 +687,14 @@ class _Parser:
             )
         return tuple(records)
 
+    def metadata_record(self, value: Any) -> FileRecord | None:
+        if value is None:
+            return None
+        record = self.file_record(value, "metadata")
+        if record.name != DCP_METADATA_NAME:
+            raise self.bad(f"metadata names {record.name!r}; the DCP metadata file is {DCP_METADATA_NAME}")
+        return record
+
     def provenance(self, value: Any) -> Provenance | None:
         if value is None:
             return None
@@ -661,5 +731,7 @@ __all__ = [
     "data_file_name",
     "describe_chunk",
     "file_digest",
+    "manifest_folder",
+    "manifest_from_bytes",
     "read_manifest",
 ]

@@ -23,6 +23,7 @@ from torch import nn
 
 from preshard.errors import CheckpointFileMissingError, CorruptCheckpointError, MismatchError, PlanError, UsageError
 from preshard.format.fileio import pread_bytes
+from preshard.format.folder import CheckpointFolder
 from preshard.format.jsonio import parse_json_text
 from preshard.format.manifest import Manifest
 from preshard.format.plan import matches
@@ -46,22 +47,28 @@ def parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original
 
 
-def read_checkpoint_config(checkpoint: Path, manifest: Manifest) -> dict[str, Any] | None:
-    """The checkpoint's config.json, checked against the size and hash the manifest records.
+def read_checkpoint_config(checkpoint: Path | CheckpointFolder, manifest: Manifest) -> dict[str, Any] | None:
+    """The checkpoint's config.json (read inside the folder, a regular file only), checked against the size and
+    hash the manifest records.
 
     Raises:
-        CorruptCheckpointError: config.json is missing, or differs from the one converted with.
+        CorruptCheckpointError: config.json is missing, out of the folder, not a regular file, or differs from the
+            one converted with.
     """
     record = manifest.config
     if record is None:
         return None
-    path = checkpoint / record.name
+    folder = checkpoint if isinstance(checkpoint, CheckpointFolder) else CheckpointFolder(checkpoint)
+    path = folder.path / record.name
     try:
-        with open(path, "rb") as f:
-            extra = os.fstat(f.fileno()).st_size != record.size
-            raw = b"" if extra else pread_bytes(f.fileno(), 0, record.size, str(path))
+        fd = folder.open(record.name)
     except FileNotFoundError:
         raise CheckpointFileMissingError(f"{path} is missing; copy the whole checkpoint folder again") from None
+    try:
+        extra = os.fstat(fd).st_size != record.size
+        raw = b"" if extra else pread_bytes(fd, 0, record.size, str(path))
+    finally:
+        os.close(fd)
     if extra or not record.matches(raw):
         raise CorruptCheckpointError(
             f"{path} differs from the config the checkpoint was converted with (its xxh3_128 does not match the "

@@ -26,6 +26,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from preshard.errors import (
@@ -36,6 +37,7 @@ from preshard.errors import (
     SourceUnreachableError,
     UsageError,
 )
+from preshard.format.folder import read_regular
 from preshard.format.layout import ChunkRecord
 from preshard.format.manifest import DCP_METADATA_NAME, MANIFEST_NAME, Manifest, chunk_digest, read_manifest
 
@@ -64,6 +66,15 @@ def rank_files(manifest: Manifest, tp_rank: int) -> tuple[list[str], dict[str, l
     return [name for name in order if name in whole], parts
 
 
+@dataclass(frozen=True)
+class RankCheckpoint:
+    """What `fetch_rank_checkpoint` fetched: the folder to load from, its manifest (parsed once) and the commit."""
+
+    folder: Path
+    manifest: Manifest
+    commit: str
+
+
 def fetch_rank_files(
     repo_id: str,
     *,
@@ -72,6 +83,18 @@ def fetch_rank_files(
     token: str | bool | None = None,
     subfolder: str | None = None,
 ) -> Path:
+    """The folder of `fetch_rank_checkpoint` (same arguments, same errors)."""
+    return fetch_rank_checkpoint(repo_id, tp_rank=tp_rank, revision=revision, token=token, subfolder=subfolder).folder
+
+
+def fetch_rank_checkpoint(
+    repo_id: str,
+    *,
+    tp_rank: int | Callable[[Manifest], int] = 0,
+    revision: str | None = None,
+    token: str | bool | None = None,
+    subfolder: str | None = None,
+) -> RankCheckpoint:
     """Fetch what one TP rank of a pre-sharded Hub checkpoint reads; return a folder that loads like a local one.
 
     Args:
@@ -83,7 +106,8 @@ def fetch_rank_files(
         subfolder: the folder of the repo holding the checkpoint (default: the repo's root).
 
     Returns:
-        The folder to load from (the HF cache's snapshot folder, or this rank's folder in the assets cache).
+        The folder to load from (the HF cache's snapshot folder, or this rank's folder in the assets cache), the
+        manifest, and the commit `revision` resolved to (every rank of a job must load the same one).
 
     Raises:
         CorruptCheckpointError: `repo_id` is no repo id (and no local path), or its manifest is damaged.
@@ -105,8 +129,9 @@ def fetch_rank_files(
     small = [MANIFEST_NAME, DCP_METADATA_NAME] + ([manifest.config.name] if manifest.config is not None else [])
     snapshot = download_files(repo_id, small + whole, revision=head.commit, token=token, subfolder=subfolder).folder
     if all(_cached(repo_id, _in(subfolder, name), head.commit) for name in ranged):
-        return snapshot
-    return _rank_folder(repo_id, head.commit, snapshot, manifest, rank, small + whole, ranged, token, subfolder)
+        return RankCheckpoint(snapshot, manifest, head.commit)
+    folder = _rank_folder(repo_id, head.commit, snapshot, manifest, rank, small + whole, ranged, token, subfolder)
+    return RankCheckpoint(folder, manifest, head.commit)
 
 
 def _in(subfolder: str | None, name: str) -> str:
@@ -163,8 +188,8 @@ def _rank_folder(
 def _complete(folder: Path, manifest: Manifest) -> bool:
     """A finished rank folder for this manifest whose links still resolve."""
     try:
-        done = json.loads((folder / COMPLETE_NAME).read_text())
-    except (OSError, ValueError):
+        done = json.loads(read_regular(folder / COMPLETE_NAME, COMPLETE_NAME, CorruptCheckpointError, "remove it"))
+    except (OSError, ValueError, CorruptCheckpointError):
         return False
     if not isinstance(done, dict) or done.get("digest") != manifest.digest:
         return False

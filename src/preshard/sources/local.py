@@ -191,7 +191,7 @@ def _source(kind: str, path: Path, headers: list[SafetensorsHeader], config_path
             if name in tensors:
                 raise SourceError(f"tensor {name} is stored twice, in {tensors[name].path.name} and {header.path.name}")
             tensors[name] = entry
-    config = read_config(config_path) if config_path.is_file() else None
+    config = read_config(config_path) if config_path.exists() else None  # a FIFO or folder there: one line
     return CheckpointSource(
         kind, path, headers, tensors, config, config_path if config is not None else None, given=given
     )

@@ -2,8 +2,16 @@
 
 The converter reads every byte of the source once, in file order, so the provenance hashes cost no
 second pass. Reading again bytes already hashed (a packed column split read once per block) leaves the
-hash alone; a file read with gaps (a resumed conversion skips what is done; a parallel worker reads only
-what its files need) is hashed separately, if its hash is asked for.
+hash alone; a file read with gaps (a parallel worker reads only what its files need) is hashed
+separately, if its hash is asked for.
+
+The same in-order digest proves what a tensor was converted from, for a resume (`take_proofs`, `prove`):
+when the hash reaches the end of a tensor, its hex digest so far (xxh3_128 of the file's bytes up to the
+tensor's end, header included) is that tensor's proof, at no extra hashing. The converter journals it with
+the tensor; a resume re-reads the kept tensors' bytes, front to back (which also carries the file's hash on,
+so the kept part is not read a second time), and keeps a journalled tensor only if its proof comes out the
+same: whatever happened to the source between the runs (a file replaced by one of the same size, header and
+mtime), what is kept was converted from the bytes the source holds now.
 
 `read_band` reads a band of rows the cheapest way: from the page cache when all of it is there (a copy
 at memory speed), else with `O_DIRECT` straight into the caller's buffer. Going through the page cache
@@ -21,6 +29,8 @@ import errno
 import mmap
 import os
 import sys
+import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +50,7 @@ DIRECT_MIN_BYTES = 1 << 20  # smaller reads go through the page cache
 DIRECT_PARTS, DIRECT_PART_BYTES = 4, 4 << 20  # a direct read is split in up to 4 concurrent reads of >= 4 MiB
 # PRESHARD_DIRECT_IO=0 reads (and writes) through the page cache only.
 DIRECT_IO = os.environ.get("PRESHARD_DIRECT_IO", "1") != "0"
+EMPTY_PROOF = ""  # the proof of a tensor without bytes: nothing to read (its header is part of the job's key)
 
 
 def hash_file(path: Path) -> str:
@@ -166,6 +177,15 @@ class SourceReader:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         self.digests = {path: xxhash.xxh3_128() for path in self.files}
         self.positions = {path: 0 for path in self.files}
+        # Where each tensor with bytes ends, by file: the in-order digest there is the tensor's proof.
+        self.ends: dict[Path, dict[int, str]] = {path: {} for path in self.files}
+        self._proofs: dict[str, str] = {}
+        self._proofs_lock = threading.Lock()
+        for entry in source.tensors.values():
+            if entry.nbytes:
+                self.ends[entry.path][entry.end] = entry.name
+            else:
+                self._proofs[entry.name] = EMPTY_PROOF
         for path, header in self.files.items():
             self._feed(path, 0, os.pread(self.fds[path], header.header_bytes, 0))
 
@@ -264,9 +284,47 @@ class SourceReader:
         position = self.positions[path]
         if position == offset:
             self.digests[path].update(data)
-            self.positions[path] += len(data)
+            self.positions[path] = end = position + len(data)
+            name = self.ends[path].get(end)
+            if name is not None:
+                proof = self.digests[path].hexdigest()
+                with self._proofs_lock:
+                    self._proofs[name] = proof
         elif position < 0 or offset + len(data) > position:
             self.positions[path] = -1  # a gap: hash the file separately
+
+    def take_proofs(self) -> dict[str, str]:
+        """The proofs of the tensors read whole, in order, since the last call (see the module docstring)."""
+        with self._proofs_lock:
+            proofs, self._proofs = self._proofs, {}
+        return proofs
+
+    def prove(self, kept: list[tuple[str, str | None]], check_stop: Callable[[], None] | None = None) -> int:
+        """How many of the leading `(tensor, journalled proof)` pairs (tensors in read order, from the start of
+        their files) the source proves unchanged: each kept tensor's bytes are read in order (carrying the file
+        hashes on) until one's proof differs, is missing, or cannot be taken in order. `check_stop` is called
+        between blocks, so a signal stops a long check.
+        """
+        buffer = bytearray(HASH_BLOCK)
+        for index, (name, recorded) in enumerate(kept):
+            entry = self.tensors[name]
+            if not entry.nbytes:
+                if recorded != EMPTY_PROOF:
+                    return index
+                continue
+            if recorded is None or self.positions[entry.path] != entry.start:
+                return index
+            for offset in range(entry.start, entry.end, HASH_BLOCK):
+                if check_stop is not None:
+                    check_stop()
+                view = memoryview(buffer)[: min(HASH_BLOCK, entry.end - offset)]
+                pread_into(self.fds[entry.path], offset, [view], entry.path.name)
+                self._feed(entry.path, offset, view)
+            with self._proofs_lock:
+                proof = self._proofs.get(name)
+            if proof != recorded:
+                return index
+        return len(kept)
 
     def file_hash(self, path: Path) -> str:
         if self.positions[path] == self.files[path].size:
