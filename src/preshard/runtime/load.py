@@ -20,6 +20,7 @@ from preshard.runtime.construct import (
     check_against_manifest,
     check_config,
     divide_heads,
+    ignored_tensors,
     localise,
     read_checkpoint_config,
 )
@@ -27,7 +28,7 @@ from preshard.runtime.devices import RankDevice, init_rank_device
 from preshard.runtime.groups import MeshGroups, build_groups
 from preshard.runtime.reader import ShardReader
 from preshard.runtime.report import REPORT_ATTRIBUTE, LoadReport
-from preshard.runtime.tp import parallelize_linear
+from preshard.runtime.tp import parallelize_linear, parallelize_norms, split_outputs
 
 
 def load_sharded(
@@ -114,6 +115,7 @@ def _load_sharded(
     report.heads_divided = divide_heads(net, manifest)
 
     keep_fp32 = list(getattr(type(net), "_keep_in_fp32_modules", None) or [])
+    skipped = ignored_tensors(net, manifest)
     locals_ = {
         name: torch.empty(
             record.layout.local_shape(manifest.tp),
@@ -121,6 +123,7 @@ def _load_sharded(
             device=rank_device.device,
         )
         for name, record in manifest.tensors.items()
+        if name not in skipped
     }
     with ShardReader(checkpoint, manifest, tp_rank, verify=verify, pin=rank_device.pin_host_memory) as reader:
         reader.read_all(locals_)
@@ -134,9 +137,17 @@ def _load_sharded(
     check_placement(net, rank_device.device)
     for module_name, module in sharded.items():
         style = manifest.tensors[f"{module_name}.weight"].layout.style
+        if style.module_kind != "linear":
+            continue  # norms: below, with the ones that have no weight
         description = parallelize_linear(module, style, groups.tp, tp_rank, manifest.tp)
         if description is not None:
             report.add_hook(module_name, description)
+    tp_hooks = {
+        **parallelize_norms(net, manifest.plan, groups.tp, tp_rank, manifest.tp),
+        **split_outputs(net, manifest.plan, tp_rank, manifest.tp),
+    }
+    for module_name, description in tp_hooks.items():
+        report.add_hook(module_name, description)
     if run_mesh.cp > 1:
         from preshard.runtime.cp import attach_context_parallel
 
