@@ -170,3 +170,34 @@ def test_malformed_plan_fields_are_refused_in_one_line(edit, message):
     edit(data)
     with pytest.raises(PlanError, match=message):
         Plan.from_dict(data)
+
+
+def test_tp_split_outputs_keep_this_ranks_slice_and_refuse_an_output_of_other_dims():
+    from preshard.runtime.tp import split_outputs
+
+    class Rope(nn.Module):
+        def forward(self, x):
+            return x, x + 1
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rope = Rope()
+
+    plan = Plan.from_dict({**PLAN, "linear": []})
+    table = torch.arange(2 * 8 * 3 * 2, dtype=torch.float32).reshape(2, 8, 3, 2)  # [B, heads, S, D/2]
+    for rank in range(4):
+        model = Model()
+        assert split_outputs(model, plan, rank, 4) == {"rope": "tp: keep this rank's slice of output 0 dim 1"}
+        cos, sin = model.rope(table)
+        assert torch.equal(cos, table[:, 2 * rank : 2 * rank + 2])
+        assert torch.equal(sin, table + 1)  # output 1 is not named: left whole
+    model = Model()
+    assert split_outputs(model, plan, 0, 1) == {}  # tp=1: nothing to slice
+    split_outputs(model, plan, 0, 2)
+    with pytest.raises(
+        PlanError, match=r"output 0 of rope has 3 dims, the plan's tp_split_outputs expects a tensor with 4"
+    ):
+        model.rope(torch.zeros(2, 8, 3))
+    with pytest.raises(PlanError, match=r"tp_split_outputs entry 'nope' matches no module"):
+        split_outputs(Model(), Plan.from_dict({**PLAN, "tp_split_outputs": {"nope": {"0": {"dim": 1}}}}), 0, 2)

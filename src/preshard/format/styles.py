@@ -200,9 +200,9 @@ class TPRMSNorm(Style):
     @staticmethod
     def unsupported(module: Any) -> str | None:
         """Why `module` cannot take this style (None: it can): torch's and diffusers' RMSNorm over one dim."""
-        cls = type(module)
+        cls = type(module)  # exactly these two: a subclass may compute something else in its forward
         diffusers_rms = cls.__name__ == "RMSNorm" and cls.__module__ == "diffusers.models.normalization"
-        if not (isinstance(module, torch.nn.RMSNorm) or diffusers_rms):
+        if not (cls is torch.nn.RMSNorm or diffusers_rms):
             return f"is a {cls.__name__}, and tp_rms_norm knows torch.nn.RMSNorm and diffusers' RMSNorm only"
         if TPRMSNorm.width(module) is None:
             return "normalises over more than one trailing dim, and tp_rms_norm splits one"

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from preshard.errors import PlanError, PreshardError
+from preshard.errors import PlanError
 from preshard.format.plan import Plan, SeqDim, matches
 from preshard.format.styles import Style, TPRMSNorm
 from preshard.runtime import collectives
@@ -140,13 +140,13 @@ def _split_outputs_hook(name: str, specs: dict[int, SeqDim], tp_rank: int, tp: i
             x = items[i]
             if not isinstance(x, torch.Tensor) or (spec.expected_dims is not None and x.dim() != spec.expected_dims):
                 got = f"{x.dim()} dims" if isinstance(x, torch.Tensor) else type(x).__name__
-                raise PreshardError(
+                raise PlanError(
                     f"tensor parallel: output {i} of {name} has {got}, the plan's tp_split_outputs expects a tensor "
                     f"with {spec.expected_dims} dims; the plan does not fit this model"
                 )
             dim = spec.dim % x.dim()
             if x.shape[dim] % tp:
-                raise PreshardError(
+                raise PlanError(
                     f"tensor parallel: output {i} of {name} has {x.shape[dim]} entries on dim {dim}, which tp={tp} "
                     "does not divide"
                 )
