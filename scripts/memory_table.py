@@ -55,9 +55,11 @@ class Row:
 def _group(name: str, style: str) -> str:
     if style == "replicate":
         return "replicated"
+    if style == "tp_rms_norm":
+        return "qk norms"
     if style == "replicated_input_rowwise":
         return "modulation"
-    return "attention" if ".attn" in name else "feed-forward"
+    return "attention" if any("attn" in part for part in name.split(".")) else "feed-forward"
 
 
 def measure(entry: Published, folder: Path) -> Row:
@@ -125,7 +127,7 @@ def table(rows: list[Row]) -> str:
 
 
 def groups_table(rows: list[Row]) -> str:
-    names = ("attention", "feed-forward", "modulation", "replicated")
+    names = ("attention", "qk norms", "feed-forward", "modulation", "replicated")
     lines = ["| Model | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 1)]
     for r in rows:
         if r.plan is None:

@@ -33,6 +33,19 @@ class Published:
 
 
 _CONVERT = "diffusers' scripts/{} (the config the published diffusers checkpoint was converted with)"
+# Wan 14B (T2V; the class defaults), its image-to-video additions, and LTX-2, as their published configs give them.
+_WAN14: dict[str, Any] = dict(
+    patch_size=[1, 2, 2], num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16,
+    text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True, eps=1e-6,
+    qk_norm="rms_norm_across_heads", rope_max_seq_len=1024,
+)  # fmt: skip
+_WAN_I2V: dict[str, Any] = {"in_channels": 36, "image_dim": 1280, "added_kv_proj_dim": 5120}
+_LTX2: dict[str, Any] = dict(
+    in_channels=128, out_channels=128, num_attention_heads=32, attention_head_dim=128, cross_attention_dim=4096,
+    audio_in_channels=128, audio_out_channels=128, audio_num_attention_heads=32, audio_attention_head_dim=64,
+    audio_cross_attention_dim=2048, num_layers=48, caption_channels=3840, norm_elementwise_affine=False,
+    rope_type="split", use_prompt_embeddings=True, gated_attn=False, cross_attn_mod=False,
+)  # fmt: skip
 
 PUBLISHED: tuple[Published, ...] = (
     Published(
@@ -86,7 +99,22 @@ PUBLISHED: tuple[Published, ...] = (
     ),
     Published(
         "Wan 2.1 T2V 14B", "WanTransformer3DModel", "Wan-AI/Wan2.1-T2V-14B-Diffusers (transformer)",
-        _CONVERT.format("convert_wan_to_diffusers.py") + " for Wan-T2V-14B (= the class defaults)",
+        _CONVERT.format("convert_wan_to_diffusers.py") + " for Wan-T2V-14B (= the class defaults; also each expert "
+        "of Wan2.2-T2V-A14B)",
+    ),
+    Published(
+        "Wan 2.1 I2V 14B", "WanTransformer3DModel", "Wan-AI/Wan2.1-I2V-14B-720P-Diffusers (transformer)",
+        _CONVERT.format("convert_wan_to_diffusers.py") + " for Wan-I2V-14B (image cross-attention)", _WAN_I2V,
+    ),
+    Published(
+        "Wan 2.2 TI2V 5B", "WanTransformer3DModel", "Wan-AI/Wan2.2-TI2V-5B-Diffusers (transformer)",
+        _CONVERT.format("convert_wan_to_diffusers.py") + " for Wan-TI2V-5B",
+        {"num_attention_heads": 24, "ffn_dim": 14336, "num_layers": 30, "in_channels": 48, "out_channels": 48},
+    ),
+    Published(
+        "Wan 2.1 T2V 1.3B", "WanTransformer3DModel", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers (transformer)",
+        _CONVERT.format("convert_wan_to_diffusers.py") + " for Wan-T2V-1.3B",
+        {"num_attention_heads": 12, "ffn_dim": 8960, "num_layers": 30},
     ),
     Published(
         "SkyReels-V2 14B", "SkyReelsV2Transformer3DModel", "Skywork/SkyReels-V2-T2V-14B-720P-Diffusers (transformer)",
@@ -94,9 +122,28 @@ PUBLISHED: tuple[Published, ...] = (
         {"num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 40},
     ),
     Published(
+        "ChronoEdit 14B", "ChronoEditTransformer3DModel", "nvidia/ChronoEdit-14B-Diffusers (transformer)",
+        "Wan-I2V-14B's shapes with rope_temporal_skip_len 8, as its transformer/config.json gives them; not checked "
+        "against the repository", {**_WAN14, **_WAN_I2V, "rope_temporal_skip_len": 8},
+    ),
+    Published(
+        "Wan 2.1 VACE 14B", "WanVACETransformer3DModel", "Wan-AI/Wan2.1-VACE-14B-diffusers (transformer)",
+        _CONVERT.format("convert_wan_to_diffusers.py") + " for Wan-VACE-14B (VACE blocks every 5 layers)",
+        {**_WAN14, "vace_layers": list(range(0, 40, 5)), "vace_in_channels": 96},
+    ),
+    Published(
         "LTX-2", "LTX2VideoTransformer3DModel", "Lightricks/LTX-2 (transformer)",
-        "the class defaults of diffusers 0.42.1 (48 blocks, video 32 x 128 and audio 32 x 64 heads); not checked "
-        "against the repository",
+        "48 blocks, video 32 x 128 and audio 32 x 64 heads, rope_type split, as its transformer/config.json gives "
+        "them; not checked against the repository", _LTX2,
+    ),
+    Published(
+        "LTX-2.3", "LTX2VideoTransformer3DModel", "Lightricks/LTX-2.3 (transformer)",
+        "LTX-2's shapes with gated attention, cross-attention modulation and perturbed attention, as its "
+        "transformer/config.json gives them; not checked against the repository",
+        {
+            **_LTX2, "gated_attn": True, "cross_attn_mod": True, "audio_gated_attn": True,
+            "audio_cross_attn_mod": True, "use_prompt_embeddings": False, "perturbed_attn": True,
+        },
     ),
 )  # fmt: skip
 

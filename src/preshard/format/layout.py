@@ -71,7 +71,12 @@ class TensorLayout:
         if style.name == REPLICATE.name:
             return cls(name, style, None, None, shape, dtype, source_dtype)
         param = name.rpartition(".")[2]
-        if param not in ("weight", "bias") or len(shape) != (2 if param == "weight" else 1):
+        if param not in ("weight", "bias") or len(shape) != (style.weight_ndim() if param == "weight" else 1):
+            if style.module_kind == "norm":
+                raise PlanError(
+                    f"{style.name} names {name} of shape {list(shape)}, which is not a norm weight or bias "
+                    "[features]; point the rule at RMSNorm modules only"
+                )
             raise PlanError(
                 f"{style.name} names {name} of shape {list(shape)}, which is not a Linear weight [out, in] or "
                 "bias [out]; point the rule at Linear modules only"

@@ -14,6 +14,7 @@ import contextlib
 import inspect
 import json
 import os
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from preshard.format.folder import CheckpointFolder
 from preshard.format.jsonio import parse_json_text
 from preshard.format.manifest import Manifest
 from preshard.format.plan import matches
+from preshard.format.styles import TPRMSNorm
 from preshard.units import plural
 
 
@@ -154,11 +156,20 @@ def check_config(model: nn.Module, config: dict[str, Any] | None) -> None:
         )
 
 
+def ignored_tensors(model: nn.Module, manifest: Manifest) -> set[str]:
+    """Checkpoint tensors the model has no place for and its class says to skip, as diffusers' `from_pretrained`
+    does (`_keys_to_ignore_on_load_unexpected`: Wan I2V checkpoints carry an all-zero `norm_added_q` per block)."""
+    patterns = getattr(type(model), "_keys_to_ignore_on_load_unexpected", None) or []
+    expected = {**dict(model.named_parameters()), **persistent_buffers(model)}
+    return {name for name in manifest.tensors if name not in expected and any(re.search(p, name) for p in patterns)}
+
+
 def check_against_manifest(model: nn.Module, manifest: Manifest) -> None:
-    """Every tensor the model expects is in the checkpoint and vice versa, with the same global shape."""
+    """Every tensor the model expects is in the checkpoint and vice versa (but for `ignored_tensors`), with the
+    same global shape."""
     expected = {**dict(model.named_parameters()), **persistent_buffers(model)}
     missing = sorted(set(expected) - set(manifest.tensors))
-    unexpected = sorted(set(manifest.tensors) - set(expected))
+    unexpected = sorted(set(manifest.tensors) - set(expected) - ignored_tensors(model, manifest))
     if missing:
         raise MismatchError(f"the checkpoint lacks {plural(len(missing), 'tensor')} the model has: {_names(missing)}")
     if unexpected:
@@ -196,24 +207,29 @@ def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     return result
 
 
-def localise(model: nn.Module, manifest: Manifest) -> dict[str, nn.Linear]:
-    """Planned Linear layers take their local shapes (still on meta) before anything is allocated.
+def localise(model: nn.Module, manifest: Manifest) -> dict[str, nn.Module]:
+    """Planned Linear layers and norms take their local shapes (still on meta) before anything is allocated.
 
     Returns:
-        The sharded Linear modules by name.
+        The sharded modules by name (Linear layers, and norms with a weight).
 
     Raises:
-        PlanError: the plan splits a tensor of a module that is not an nn.Linear.
+        PlanError: the plan splits a tensor of a module that is not an nn.Linear (or, for a norm style, a
+            supported RMSNorm).
     """
     tp = manifest.tp
-    modules: dict[str, nn.Linear] = {}
+    modules: dict[str, nn.Module] = {}
     for name, record in manifest.tensors.items():
         layout = record.layout
         if layout.style.name == "replicate":
             continue
         module_name, _, leaf = name.rpartition(".")
         module = model.get_submodule(module_name)
-        if not isinstance(module, nn.Linear):
+        if layout.style.module_kind == "norm":
+            why = TPRMSNorm.unsupported(module)
+            if why is not None:
+                raise PlanError(f"the plan gives {module_name} the {layout.style.name} style, but it {why}")
+        elif not isinstance(module, nn.Linear):
             raise PlanError(f"the plan shards {module_name}, which is a {type(module).__name__}, not nn.Linear")
         modules[module_name] = module
         if layout.shard_dim is not None:
@@ -221,7 +237,8 @@ def localise(model: nn.Module, manifest: Manifest) -> dict[str, nn.Linear]:
             local = torch.empty(layout.local_shape(tp), dtype=param.dtype, device="meta")
             module._parameters[leaf] = nn.Parameter(local, requires_grad=False)
     for module in modules.values():
-        module.out_features, module.in_features = module.weight.shape
+        if isinstance(module, nn.Linear):
+            module.out_features, module.in_features = module.weight.shape
     return modules
 
 

@@ -99,7 +99,9 @@ def _split_tensor(state: CPState, x: Any, dim: int, expected_dims: int | None, w
     if not isinstance(x, torch.Tensor):
         raise PreshardError(f"context parallel: {where} is {type(x).__name__}, not a tensor the CP plan can split")
     if expected_dims is not None and x.dim() != expected_dims:
-        raise PreshardError(f"context parallel: {where} has {x.dim()} dims, the CP plan expects {expected_dims}")
+        # As diffusers reads its `_cp_plan`: the split applies to tensors of that many dims only (Wan splits its
+        # timestep when it is per token, `[B, S]`, and leaves the usual `[B]` whole).
+        return x
     dim = dim % x.dim()
     length = x.shape[dim]
     state.note_length(length, where)

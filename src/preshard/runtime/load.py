@@ -16,14 +16,21 @@ from preshard.format.manifest import MANIFEST_NAME, Manifest
 from preshard.format.mesh import MeshSpec
 from preshard.runtime import collectives
 from preshard.runtime.agreement import agree_on_checkpoint, agree_on_outcome
-from preshard.runtime.construct import build_model, check_against_manifest, check_config, divide_heads, localise
+from preshard.runtime.construct import (
+    build_model,
+    check_against_manifest,
+    check_config,
+    divide_heads,
+    ignored_tensors,
+    localise,
+)
 from preshard.runtime.devices import RankDevice, init_rank_device
 from preshard.runtime.groups import MeshGroups, build_groups
 from preshard.runtime.held import HeldCheckpoint
 from preshard.runtime.lora import attach_lora_loading
 from preshard.runtime.reader import ShardReader
 from preshard.runtime.report import REPORT_ATTRIBUTE, LoadReport
-from preshard.runtime.tp import parallelize_linear
+from preshard.runtime.tp import parallelize_linear, parallelize_norms, split_outputs
 from preshard.units import plural
 
 
@@ -165,6 +172,7 @@ def _load_held(
         report.heads_divided = divide_heads(net, manifest)
 
         keep_fp32 = list(getattr(type(net), "_keep_in_fp32_modules", None) or [])
+        skipped = ignored_tensors(net, manifest)
         locals_ = {
             name: torch.empty(
                 record.layout.local_shape(manifest.tp),
@@ -172,6 +180,7 @@ def _load_held(
                 device=rank_device.device,
             )
             for name, record in manifest.tensors.items()
+            if name not in skipped
         }
         fds = held.open_data(manifest.files_for_tp_rank(tp_rank))
         pin = rank_device.pin_host_memory
@@ -189,12 +198,24 @@ def _load_held(
     if place_buffers:
         report.buffers_placed = place_unloaded_buffers(net, manifest, rank_device.device)
     check_placement(net, rank_device.device)
-    for module_name, module in sharded.items():
+    # Norms are parallelised below, with the ones that have no weight; LoRA adapters only ever target linears.
+    linears = {
+        name: module
+        for name, module in sharded.items()
+        if manifest.tensors[f"{name}.weight"].layout.style.module_kind == "linear"
+    }
+    for module_name, module in linears.items():
         style = manifest.tensors[f"{module_name}.weight"].layout.style
         description = parallelize_linear(module, style, groups.tp, tp_rank, manifest.tp)
         if description is not None:
             report.add_hook(module_name, description)
-    attach_lora_loading(net, sharded, manifest, groups.tp, tp_rank, report)
+    tp_hooks = {
+        **parallelize_norms(net, manifest.plan, groups.tp, tp_rank, manifest.tp),
+        **split_outputs(net, manifest.plan, tp_rank, manifest.tp),
+    }
+    for module_name, description in tp_hooks.items():
+        report.add_hook(module_name, description)
+    attach_lora_loading(net, linears, manifest, groups.tp, tp_rank, report)
     if run_mesh.cp > 1:
         from preshard.runtime.cp import attach_context_parallel
 

@@ -141,6 +141,13 @@ def open_local(path: str | Path) -> CheckpointSource:
         raise SourceError(f"source {path} holds several index files ({names}); pass the one to use")
     files = sorted(path.glob("*.safetensors"))
     if not files:
+        components = _weight_subfolders(path)
+        if components:  # a diffusers pipeline folder (Wan 2.2 A14B: transformer and transformer_2, one expert each)
+            each = " and ".join(f"--subfolder {name}" for name in components)
+            raise SourceError(
+                f"source folder {path} is a pipeline folder, not one model's weights; convert each model you need "
+                f"separately, into its own output: {each}"
+            )
         raise SourceError(f"source folder {path} holds no .safetensors file; point at the model's weights folder")
     if len(files) > 1:
         raise SourceError(
@@ -148,6 +155,17 @@ def open_local(path: str | Path) -> CheckpointSource:
             "pass one file, or add the index that names them"
         )
     return _source("folder", path, [read_header(files[0])], path / CONFIG_NAME, given)
+
+
+def _weight_subfolders(folder: Path) -> list[str]:
+    """The subfolders of a diffusers pipeline folder (it has model_index.json) holding a model's weights and config."""
+    if not (folder / "model_index.json").is_file():
+        return []
+    return sorted(
+        sub.name
+        for sub in folder.iterdir()
+        if sub.is_dir() and (sub / CONFIG_NAME).is_file() and any(sub.glob("*.safetensors*"))
+    )
 
 
 def _from_index(folder: Path, index_path: Path, given: str) -> CheckpointSource:
