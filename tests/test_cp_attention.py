@@ -133,10 +133,10 @@ def _worker(rank: int, world: int) -> dict[str, dict[str, Any]]:
             kl,
             vl,
             groups=g,
-            seq_len=case.seq_len,
+            layout=(CPA.KeySequence(case.seq_len, case.s_local),),
             scale=case.scale,
             local_attention=None,
-            mask_padding=False,
+            drop_padding=False,
         )
         # the rows the test gathers: all real rows of this replica, assembled in cp-rank order
         cp_ranks = [replica * case.cp + i for i in range(case.cp)]
