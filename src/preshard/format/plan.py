@@ -3,8 +3,10 @@
 A plan names Linear modules (dotted paths; `*` matches one path component) with a style, attention
 modules whose head-count attributes are divided by the TP degree and whose attention runs context
 parallel, config keys that must divide by the TP degree, and optionally a CP plan (which inputs to
-split along the sequence and which outputs to gather). The manifest embeds the resolved plan, so the
-runtime needs nothing but the checkpoint to shard the model.
+split along the sequence and which outputs to gather) and the order in which the model joins split
+sequences for attention (`cp_join_order`, e.g. Flux's text before image: CP needs it to find the padded
+rows of each at any length). The manifest embeds the resolved plan, so the runtime needs nothing but the
+checkpoint to shard the model.
 
 `resolve_plan` applies a plan to a checkpoint's tensor names and shapes: one `TensorLayout` each.
 """
@@ -105,6 +107,9 @@ class Plan:
     model_classes: tuple[str, ...] = ()
     description: str = ""
     cp_plan: dict[str, CPEntry] | None = None
+    # Split inputs (cp_plan argument names) in the order the model joins their rows where it attends over
+    # several at once, e.g. ("encoder_hidden_states", "hidden_states") for Flux. None: never joined.
+    cp_join_order: tuple[str, ...] | None = None
     origin: str = "plan"  # where it came from, for messages ("built-in plan minimax-h3", a file, a model class)
 
     def to_dict(self) -> dict[str, Any]:
@@ -122,6 +127,8 @@ class Plan:
         }
         if self.cp_plan is not None:
             data["cp_plan"] = {k: v.to_dict() for k, v in self.cp_plan.items()}
+        if self.cp_join_order is not None:
+            data["cp_join_order"] = list(self.cp_join_order)
         return data
 
     @classmethod
@@ -151,7 +158,10 @@ def _parse_plan(data: Any, origin: str) -> Plan:
 
     if not isinstance(data, dict):
         raise bad("must be a JSON object with 'name' and 'linear'")
-    known = {"format", "name", "description", "model_classes", "linear", "attention", "config_divisible", "cp_plan"}
+    known = {
+        "format", "name", "description", "model_classes", "linear", "attention", "config_divisible", "cp_plan",
+        "cp_join_order",
+    }  # fmt: skip
     unknown = sorted(set(data) - known)
     if unknown:
         raise bad(f"unknown keys {unknown}; a plan has {sorted(known)}")
@@ -199,6 +209,22 @@ def _parse_plan(data: Any, origin: str) -> Plan:
     if not isinstance(config_divisible, list) or not all(isinstance(k, str) for k in config_divisible):
         raise bad("'config_divisible' must be a list of config keys")
     cp_plan = _parse_cp_plan(data["cp_plan"], bad) if data.get("cp_plan") is not None else None
+    join = data.get("cp_join_order")
+    if join is not None:
+        if (
+            not isinstance(join, list)
+            or len(join) < 2
+            or not all(isinstance(a, str) and _IDENTIFIER.match(a) for a in join)
+        ):
+            raise bad(
+                "'cp_join_order' must list two or more split input names, e.g. [encoder_hidden_states, hidden_states]"
+            )
+        if len(set(join)) != len(join):
+            raise bad(f"'cp_join_order' {join} names an input twice")
+        split = {arg for entry in (cp_plan or {}).values() for arg in entry.split_inputs}
+        unknown_args = [a for a in join if cp_plan is not None and a not in split]
+        if unknown_args:
+            raise bad(f"'cp_join_order' names {unknown_args}, which no cp_plan entry splits")
     return Plan(
         name=name,
         linear=tuple(linear),
@@ -207,6 +233,7 @@ def _parse_plan(data: Any, origin: str) -> Plan:
         model_classes=tuple(model_classes),
         description=description,
         cp_plan=cp_plan,
+        cp_join_order=tuple(join) if join is not None else None,
         origin=origin,
     )
 

@@ -6,6 +6,7 @@ the whole sequence and returns the right answer), so tests assert this descripti
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +30,7 @@ class LoadReport:
     chunks_read: int = 0
     files_read: list[str] = field(default_factory=list)
     verified: bool = False
-    attention_rows: dict[str, int] = field(default_factory=dict)  # query rows each CP attention saw, last forward
+    attention_rows: Mapping[str, int] = field(default_factory=dict)  # query rows each CP attention saw, last forward
     read_seconds: float = 0.0
     total_seconds: float = 0.0
 
