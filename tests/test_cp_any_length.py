@@ -352,3 +352,53 @@ def test_plan_file_join_order_round_trips(tmp_path: Path):
         Plan.from_dict({**LTX_PLAN, "cp_join_order": ["hidden_states", "text"]})
     with pytest.raises(PlanError, match="two or more split input names"):
         Plan.from_dict({**LTX_PLAN, "cp_join_order": "hidden_states"})
+
+
+# --- the sequence table, on one process (no collective runs) ------------------------------------------
+
+
+def _runtime(cp: int = 2, join: tuple[str, ...] = ("encoder_hidden_states", "hidden_states")):
+    from preshard.runtime.cp import CPRuntime
+    from preshard.runtime.cp_attention import CPGroups
+
+    return CPRuntime(CPGroups(object(), cp, 0, None, 1, 0), None, list(range(cp)), join_order=join)
+
+
+def test_rows_per_rank_keep_sequences_apart_and_layouts_follow_the_join_order():
+    from preshard.errors import PreshardError
+    from preshard.runtime.cp_attention import KeySequence
+
+    rt = _runtime()
+    assert rt.rows_for(6, "hidden_states", "image") == 3
+    assert rt.rows_for(5, "encoder_hidden_states", "text") == 4  # 3 rows would not tell text from image
+    assert rt.rows_for(6, None, "img_ids") == 3  # a companion of the image: the same rows
+    assert rt.key_layout(3, "attn") == (KeySequence(6, 3),)
+    assert rt.key_layout(4, "attn") == (KeySequence(5, 4),)
+    assert rt.key_layout(7, "attn") == (KeySequence(5, 4), KeySequence(6, 3))  # text, then image
+    with pytest.raises(PreshardError, match="none of the sequences this forward split"):
+        rt.key_layout(9, "attn")
+    with pytest.raises(PreshardError, match="hidden_states had 6 earlier"):
+        rt.rows_for(8, "hidden_states", "image again")
+    rt.begin_forward()
+    assert rt.sequences == {} and rt.named == {}
+
+
+def test_without_padding_every_key_is_real_whatever_the_join():
+    from preshard.runtime.cp_attention import KeySequence
+
+    rt = _runtime(join=())
+    rt.rows_for(8, "hidden_states", "image")
+    rt.rows_for(4, "encoder_hidden_states", "text")
+    assert rt.key_layout(6, "attn") == (KeySequence(12, 6),)
+
+
+def test_a_join_sum_never_equals_a_sequence():
+    from preshard.runtime.cp_attention import KeySequence
+
+    rt = _runtime(cp=2, join=("encoder_hidden_states", "hidden_states"))
+    rt.rows_for(3, "encoder_hidden_states", "text")  # 2 rows
+    rt.rows_for(2, "hidden_states", "image")  # 1 row: text + image = 3 rows
+    rows = rt.rows_for(5, "audio_hidden_states", "audio")  # 3 rows would equal the join: one more
+    assert rows == 4
+    assert rt.key_layout(3, "attn") == (KeySequence(3, 2), KeySequence(2, 1))
+    assert rt.key_layout(4, "attn") == (KeySequence(5, 4),)

@@ -293,7 +293,12 @@ class _CPAttentionRouter(TorchFunctionMode):
             self.calls += 1
             self.rows = (args[0] if args else kwargs["query"]).shape[2]
             return self.runtime.attend(self.name, *args, **kwargs)
-        if getattr(func, "__module__", None) == "torch._tensor" and args and isinstance(args[0], torch.Tensor):
+        if (
+            getattr(func, "__module__", None) == "torch._tensor"
+            and args
+            and isinstance(args[0], torch.Tensor)
+            and getattr(type(args[0]), getattr(func, "__name__", ""), None) is func
+        ):
             # A Tensor method written in Python (unflatten, split, ...): call it as a method. Called as a plain
             # function, dynamo inlines it and stops at its `super()` call (a graph break under the mode).
             return getattr(args[0], func.__name__)(*args[1:], **kwargs)
