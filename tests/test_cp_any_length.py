@@ -302,7 +302,7 @@ def test_flux_join_order_is_what_finds_the_padding(flux_runs, mesh):
     for run in flux_runs[mesh]:
         assert run["wrong_order_diff"] > 1e-3, run["wrong_order_diff"]
         error = run["no_order_error"]
-        assert error is not None and error.startswith("PreshardError") and "\n" not in error, error
+        assert error is not None and error.startswith("UsageError") and "\n" not in error, error
         assert "13 tokens" in error and "5 tokens" in error and "max_sequence_length" in error and "height" in error
         assert run["no_order_even_diff"] <= TOL
 
@@ -336,7 +336,7 @@ def test_attention_backends_and_processors_work_or_are_refused_in_one_line(pipel
         for case, fix in [("flex", "set_attention_backend('native')"), ("no_sdpa", "native attention backend"),
                           ("enable_parallelism", "drop the enable_parallelism call")]:  # fmt: skip
             error = out[case]
-            assert error is not None and error.startswith("PreshardError") and "\n" not in error, (case, error)
+            assert error is not None and error.startswith("UsageError") and "\n" not in error, (case, error)
             assert fix in error, (case, error)
 
 

@@ -5,15 +5,23 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from preshard.errors import (
+    CheckpointFileMissingError,
+    CheckpointNotFoundError,
     ChecksumMismatch,
     CorruptCheckpointError,
     DeviceError,
     Interrupted,
     MismatchError,
     OutputError,
+    OutputExistsError,
+    OutputLockedError,
+    OutputPermissionError,
     PlanError,
     PreshardError,
+    SourceAccessError,
     SourceError,
+    SourceNotFoundError,
+    SourceUnreachableError,
     UsageError,
     WorkerError,
 )
@@ -27,6 +35,8 @@ if TYPE_CHECKING:
     from preshard.tools.verify import VerifyResult, verify_checkpoint
 
 __all__ = [
+    "CheckpointFileMissingError",
+    "CheckpointNotFoundError",
     "ChecksumMismatch",
     "CorruptCheckpointError",
     "DeviceError",
@@ -35,10 +45,16 @@ __all__ = [
     "MeshSpec",
     "MismatchError",
     "OutputError",
+    "OutputExistsError",
+    "OutputLockedError",
+    "OutputPermissionError",
     "Plan",
     "PlanError",
     "PreshardError",
+    "SourceAccessError",
     "SourceError",
+    "SourceNotFoundError",
+    "SourceUnreachableError",
     "UsageError",
     "VerifyResult",
     "WorkerError",

@@ -1,5 +1,5 @@
 """The hand-written slicing oracle and raw readers: what each TP rank must hold, computed from the styles'
-definitions in DESIGN.md (never with preshard's own slicing code), and every read of converted files through
+definitions in docs/design.md (never with preshard's own slicing code), and every read of converted files through
 torch or raw bytes."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 BLOCKS = r"(transformer_blocks|token_refiner\.refiner_blocks)\.\d+"
-# The built-in minimax-h3 plan, restated from DESIGN.md: (module regex, style, packed blocks).
+# The built-in minimax-h3 plan, restated from docs/design.md: (module regex, style, packed blocks).
 TINY_RULES = [
     (BLOCKS + r"\.attn\.to_[qkv]", "colwise", None),
     (BLOCKS + r"\.attn\.to_out\.0", "rowwise", None),

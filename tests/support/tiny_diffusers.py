@@ -92,6 +92,11 @@ BUILDERS = {"flux": _flux, "flux2": _flux2, "qwenimage": _qwen, "qwenimage21": _
 def build(name: str, seed: int = 0):
     """(model in eval mode with seeded random float32 weights, inputs)."""
     model, inputs = BUILDERS[name]()
+    return randomize(model, seed), inputs
+
+
+def randomize(model, seed: int = 0):
+    """`model` in eval mode with seeded random float32 weights, scaled to keep activations O(1)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param_name, p in model.named_parameters():
@@ -101,7 +106,7 @@ def build(name: str, seed: int = 0):
                 p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(0.05 * torch.randn(p.shape, generator=g))
-    return model.eval(), inputs
+    return model.eval()
 
 
 def save(model, folder: Path) -> Path:

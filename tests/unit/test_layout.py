@@ -1,7 +1,7 @@
 """Styles, chunk layout and slicing against the hand-written oracle (tests/support/oracle.py).
 
 For every style, random shapes, TP degrees and packed blocks: `TensorLayout` gives each rank exactly the
-boxes the oracle computes from DESIGN.md, the local shape is the concatenation of its boxes along the
+boxes the oracle computes from docs/design.md, the local shape is the concatenation of its boxes along the
 split dimension, `place_records` tiles every file, and the band slicer (with bands small enough that a
 tensor takes many) produces exactly the oracle's bytes, with and without a dtype cast.
 """

@@ -16,9 +16,9 @@ import gc
 import hashlib
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ from preshard.converter.workdir import (
     resume,
 )
 from preshard.converter.writer import RecordFileWriter, stage_bytes
-from preshard.errors import MismatchError, UsageError
+from preshard.errors import MismatchError, PreshardError, UsageError
 from preshard.format import slicing
 from preshard.format.dtypes import dtype_name, parse_cast
 from preshard.format.jsonio import fsync_file, write_json_atomic
@@ -112,6 +112,69 @@ class ConversionPlan:
         return min(slicing.BAND_BYTES, max(1 << 20, largest // 4))
 
 
+@dataclass
+class ConversionOutcome:
+    """What a conversion found and did, for a caller that reports it (the CLI's summary line and --json): pass one
+    to `convert_checkpoint(outcome=...)`, which fills it in."""
+
+    status: str = "converted"  # "converted", "resumed" (an interrupted run's records kept) or "already converted"
+    kept_tensors: int = 0  # resumed: the tensors kept from the earlier run, every record re-checked
+    kept_bytes: int = 0  # resumed: the bytes of their records (not written again)
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def record_kept(self, done: dict[str, list[ChunkRecord]]) -> None:
+        if done:
+            self.status = "resumed"
+            self.kept_tensors = len(done)
+            self.kept_bytes = sum(c.framing.length for chunks in done.values() for c in chunks)
+
+
+def _lora_records(source: Any) -> list[dict[str, Any]]:
+    """The LoRAs a source fuses (`preshard.converter.lora.FusedSource`), as the manifest records them."""
+    loras = getattr(source, "loras", None)
+    return [lora.to_dict() for lora in loras.records()] if loras is not None else []
+
+
+def finished_conversion(job: ConversionPlan, output: Path) -> Manifest | None:
+    """The manifest in `output` if it already holds exactly this conversion, else None.
+
+    Exactly: the same plan, mesh (TP and CP layout) and cast, LoRAs, config.json, and source bytes: the same file names,
+    sizes and headers, then the same xxh3_128 of every source file (one read of the source, cheaper than
+    converting); and every data file is there at its recorded size. Anything else (another conversion, a damaged
+    or foreign folder) returns None, and the usual output checks decide (`--overwrite` replaces it).
+    """
+    from preshard.sources.reader import hash_file
+
+    headers = getattr(job.source, "files", None)
+    if not (output / MANIFEST_NAME).is_file() or headers is None:
+        return None
+    try:
+        manifest = read_manifest(output)
+    except (PreshardError, OSError):
+        return None
+    recorded = {f.name: f for f in manifest.source.files}
+    if (
+        manifest.mesh != job.mesh
+        or manifest.dtype != job.cast
+        or manifest.plan.to_dict() != job.plan.to_dict()
+        or manifest.derived_from is not None
+        or _lora_records(job.source) != [lora.to_dict() for lora in manifest.source.loras]
+        or [h.path.name for h in headers] != list(recorded)
+        or any((h.size, h.text) != (recorded[h.path.name].size, recorded[h.path.name].header) for h in headers)
+    ):
+        return None
+    config = job.source.config_bytes()
+    if (config is None) != (manifest.config is None) or (config is not None and not manifest.config.matches(config)):
+        return None
+    for f in manifest.files:
+        path = output / f.name
+        if not path.is_file() or path.stat().st_size != f.size:
+            return None
+    if any(hash_file(h.path) != recorded[h.path.name].xxh3_128 for h in headers):
+        return None
+    return manifest
+
+
 def plan_conversion(
     source: str | Path | ConversionSource,
     *,
@@ -122,17 +185,23 @@ def plan_conversion(
     revision: str | None = None,
     token: str | bool | None = None,
     check_model: bool = True,
+    loras: Iterable[Any] | None = None,
 ) -> ConversionPlan:
     """Resolve source, plan, mesh and layout without writing anything (what a dry run shows).
 
     `check_model`: also check the plan's attention rules against the model class (which imports diffusers and
     builds the model on the meta device: seconds); `convert_checkpoint` does that while it converts instead.
+    `loras`: LoRAs to fuse into the weights as they are read (`preshard.converter.lora`).
     """
     cast = parse_cast(dtype)
     if isinstance(source, (str, Path)):
         src = open_source(source, subfolder=subfolder, revision=revision, token=token)
     else:
         src = source
+    if loras:
+        from preshard.converter.lora import with_loras
+
+        src = with_loras(src, loras, token=token)
     chosen = choose_plan(plan, src.config)
     layouts = resolve_plan(chosen, src.shapes(), mesh.tp, cast=cast, config=src.config or {})
     if check_model:
@@ -161,6 +230,8 @@ def convert_checkpoint(
     wait: bool = False,
     progress: bool | None = None,
     workers: int = 1,
+    loras: Iterable[Any] | None = None,
+    outcome: ConversionOutcome | None = None,
 ) -> Manifest:
     """Convert a safetensors checkpoint into per-TP-rank DCP shards and a manifest, in `output`.
 
@@ -179,15 +250,22 @@ def convert_checkpoint(
         workers: local processes to convert with (at most `tp`: each writes its share of the data files). The
             output is the same, byte for byte. Under torchrun (`torchrun -m preshard.torchrun_convert`) the
             job's processes are the workers.
+        loras: LoRAs to fuse into the weights before slicing: paths (scale 1.0) or `(path, scale)` pairs, applied
+            in order; each a local `.safetensors` file or a Hub `org/name[/file]`, in any key format diffusers'
+            LoRA loader for the model class reads. Recorded in the manifest's source provenance.
+        outcome: filled in with what happened: converted, resumed (with what was kept), or already converted (an
+            identical finished conversion is in `output`: nothing is written and its manifest is returned, without
+            `overwrite`; see `finished_conversion`).
 
     Returns:
-        The manifest written to `output/manifest.json`.
+        The manifest written to (or found in) `output/manifest.json`.
 
     Raises:
         UsageError: a bad mesh, dtype or worker count. SourceError: a missing, malformed or changing source.
-        PlanError: a plan that does not fit the checkpoint or the TP degree. OutputError: an output that
-        cannot be written (exists, locked, too little disk space). Interrupted: SIGINT/SIGTERM (the finished
-        part is kept for a resume). WorkerError: a worker process died.
+        PlanError: a plan that does not fit the checkpoint or the TP degree. MismatchError: a LoRA that does not
+        fit the checkpoint. OutputError: an output that cannot be written (exists, locked, too little disk
+        space). Interrupted: SIGINT/SIGTERM (the finished part is kept for a resume). WorkerError: a worker
+        process died.
     """
     coordinator = active_coordinator()
     try:
@@ -210,16 +288,26 @@ def convert_checkpoint(
             revision=revision,
             token=token,
             check_model=False,  # done while converting
+            loras=loras,
         )
+        finished = None if overwrite else finished_conversion(job, Path(output))
     except BaseException as exc:
         if coordinator is not None:
             coordinator.fail(exc)  # so that the other processes stop too
         raise
+    outcome = outcome if outcome is not None else ConversionOutcome()
+    if finished is not None:
+        outcome.status = "already converted"
+        return finished
     if workers > 1:
-        return run_workers(job, Path(output), workers=workers, overwrite=overwrite, wait=wait, progress=progress)
+        return run_workers(
+            write_conversion, job, Path(output), workers=workers, overwrite=overwrite, wait=wait, progress=progress,
+            outcome=outcome,
+        )  # fmt: skip
     return write_conversion(
-        job, Path(output), overwrite=overwrite, wait=wait, progress=progress, coordinator=coordinator, check_model=True
-    )
+        job, Path(output), overwrite=overwrite, wait=wait, progress=progress, coordinator=coordinator,
+        check_model=True, outcome=outcome,
+    )  # fmt: skip
 
 
 def space_needed(job: ConversionPlan) -> int:
@@ -237,13 +325,15 @@ def write_conversion(
     coordinator: Coordinator | None = None,
     external_stop: Any = None,
     check_model: bool = False,
+    outcome: ConversionOutcome | None = None,
 ) -> Manifest:
     """Write a planned conversion into `output`, under the output's lock, atomically and resumably.
 
     With a `coordinator` this process writes its share of the data files and the lowest rank takes the lock,
     journals and commits (see `parallel`). `external_stop()` returning a signal number stops it as that
     signal would (a launcher relays signals this way). `check_model`: check the plan against the model class
-    (`check_plan_against_model`) on a thread while converting, and commit only if it passes.
+    (`check_plan_against_model`) on a thread while converting, and commit only if it passes. `outcome` (the lowest
+    rank's) is told what a resume kept.
     """
     coord = coordinator or Coordinator()
     with ExitStack() as stack:
@@ -265,7 +355,9 @@ def write_conversion(
             )
         stop = stack.enter_context(deferred_signals())
         background = _Background(check_model and coord.rank == 0, job)
-        return _Conversion(job, output, coord, _stop_check(stop, external_stop, background), overwrite).run(progress)
+        conversion = _Conversion(job, output, coord, _stop_check(stop, external_stop, background), overwrite)
+        conversion.outcome = outcome
+        return conversion.run(progress)
 
 
 @contextlib.contextmanager
@@ -351,6 +443,7 @@ class _Conversion:
         self.reader: SourceRows | None = None
         self.journal: Journal | None = None
         self.identity = self.config_bytes = None
+        self.outcome: ConversionOutcome | None = None
 
     def run(self, progress: bool | None) -> Manifest:
         try:
@@ -384,6 +477,8 @@ class _Conversion:
                     else:
                         w.abandon()
                 shared = {name: [c.xxh3_64 for c in chunks] for name, chunks in done.items()}
+                if self.outcome is not None:
+                    self.outcome.record_kept(done)
             except BaseException as exc:
                 error = exc
         shared = self.coord.exchange(shared, error)[0]
@@ -584,4 +679,13 @@ def _manifest(
     ).sealed()
 
 
-__all__ = ["ConversionPlan", "convert_checkpoint", "dtype_name", "plan_conversion", "resolve_mesh", "space_needed"]
+__all__ = [
+    "ConversionOutcome",
+    "ConversionPlan",
+    "convert_checkpoint",
+    "finished_conversion",
+    "dtype_name",
+    "plan_conversion",
+    "resolve_mesh",
+    "space_needed",
+]

@@ -26,7 +26,14 @@ from pathlib import Path
 
 from preshard.converter.signals import StopFlag, deferred_signals
 from preshard.converter.writer import RecordFileWriter
-from preshard.errors import CorruptCheckpointError, OutputError
+from preshard.errors import (
+    CorruptCheckpointError,
+    DamagedRecord,
+    OutputError,
+    OutputExistsError,
+    OutputLockedError,
+    OutputPermissionError,
+)
 from preshard.format.jsonio import fsync_dir
 from preshard.format.layout import ChunkRecord, FileLayout, data_file_name
 from preshard.format.manifest import MANIFEST_FORMAT, MANIFEST_NAME
@@ -101,6 +108,10 @@ def check_output(output: Path, source_paths: list[Path], overwrite: bool, kind: 
         raise OutputError(f"output {given} is a file; pass a directory path for the converted checkpoint")
     if not output.parent.is_dir():
         raise OutputError(f"the parent folder of {given} does not exist; create it first")
+    if not os.access(output.parent, os.W_OK | os.X_OK):
+        raise OutputPermissionError(
+            f"cannot write in {output.parent} (permission denied); pick an output folder this user can write to"
+        )
     out = output.resolve()
     for source in source_paths:
         source = source.resolve()
@@ -108,9 +119,9 @@ def check_output(output: Path, source_paths: list[Path], overwrite: bool, kind: 
             raise OutputError(f"output {given} overlaps the source {source}; write the conversion elsewhere")
     if output.exists() and any(output.iterdir()):
         if not overwrite:
-            raise OutputError(f"output {given} already exists; pass --overwrite to replace it")
+            raise OutputExistsError(f"output {given} already exists; pass --overwrite to replace it")
         if not kind.recognise(output):
-            raise OutputError(
+            raise OutputExistsError(
                 f"output {given} is not {kind.noun}, and --overwrite replaces only that: "
                 "remove the folder yourself or name a new one"
             )
@@ -228,7 +239,7 @@ class OutputLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if self.wait else fcntl.LOCK_NB))
         except BlockingIOError:
-            raise OutputError(
+            raise OutputLockedError(
                 f"another conversion (pid {_read_holder(fd)}) is writing {self.output}; wait for it to finish, "
                 "or pass --wait"
             ) from None
@@ -343,14 +354,6 @@ def commit(work: Path, output: Path) -> None:
     else:
         os.rename(work, output)
     fsync_dir(output.parent)
-
-
-class DamagedRecord(CorruptCheckpointError):
-    """A record kept from an earlier run is damaged; `tensor` names it (a resume redoes it and what follows)."""
-
-    def __init__(self, message: str, tensor: str) -> None:
-        super().__init__(message)
-        self.tensor = tensor
 
 
 def open_writers(

@@ -105,9 +105,9 @@ def dcp_metadata_problems(path: Path, manifest: Manifest) -> list[str]:
     missing = sorted(set(manifest.tensors) - set(tensors))
     extra = sorted(set(tensors) - set(manifest.tensors))
     if missing:
-        problems.append(f"{DCP_METADATA_NAME} lacks {len(missing)} tensors of the manifest, e.g. {missing[0]}")
+        problems.append(f"{DCP_METADATA_NAME} lacks {len(missing)} of the manifest's tensors, e.g. {missing[0]}")
     if extra:
-        problems.append(f"{DCP_METADATA_NAME} has {len(extra)} tensors the manifest lacks, e.g. {extra[0]}")
+        problems.append(f"{DCP_METADATA_NAME} names {len(extra)} more tensors than the manifest, e.g. {extra[0]}")
     for name, record in manifest.tensors.items():
         if name not in tensors:
             continue

@@ -160,6 +160,13 @@ class ChunkRecord:
     def end(self) -> int:
         return self.offset + self.framing.length
 
+    @property
+    def load_bytes(self) -> int:
+        """The bytes a rank reads of this record at load: its framing header (checked against the manifest at every
+        load) and its data; the trailer is never read. The one definition of "bytes read at load" that `plan`,
+        `--dry-run`, `inspect` and the load report use (JSON key `read_bytes_per_rank`)."""
+        return self.framing.data_offset + self.framing.data_length
+
 
 @dataclass(frozen=True)
 class FileLayout:

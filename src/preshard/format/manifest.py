@@ -18,6 +18,7 @@ sizes, each record's framing, config.json's hash) and with `verify=True` per chu
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import re
 from dataclasses import dataclass, replace
@@ -27,7 +28,14 @@ from typing import Any
 import torch
 import xxhash
 
-from preshard.errors import CorruptCheckpointError, PlanError, PreshardError, UsageError
+from preshard.errors import (
+    CheckpointFileMissingError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    PlanError,
+    PreshardError,
+    UsageError,
+)
 from preshard.format.dtypes import CAST_TARGETS, cast_dtype, dtype_from_name, dtype_name
 from preshard.format.jsonio import canonical_json, read_json
 from preshard.format.layout import ChunkRecord, TensorLayout, data_file_name
@@ -53,9 +61,9 @@ def created_now() -> str:
     source are byte-identical."""
     epoch = os.environ.get("SOURCE_DATE_EPOCH")
     when = (
-        datetime.datetime.fromtimestamp(int(epoch), datetime.timezone.utc)
+        datetime.datetime.fromtimestamp(int(epoch), datetime.UTC)
         if epoch and epoch.isdigit()
-        else datetime.datetime.now(datetime.timezone.utc)
+        else datetime.datetime.now(datetime.UTC)
     )
     return when.isoformat(timespec="seconds")
 
@@ -127,6 +135,44 @@ class SourceFile:
 
 
 @dataclass(frozen=True)
+class LoraModule:
+    """What one LoRA changed in one Linear: `W += scaling * B @ A` with A of `rank` rows (and its bias by `scaling *
+    B.bias` when `bias`). `scaling` is PEFT's (alpha / rank, or what the file's adapter config says) times the
+    user's scale."""
+
+    rank: int
+    scaling: float
+    bias: bool = False
+
+
+@dataclass(frozen=True)
+class LoraRecord:
+    """A LoRA fused into the weights at conversion (`convert-checkpoint --lora`): which file, with what scale, read
+    how, and what it changed. Why: the checkpoint's weights are no longer the source's, and the record says by what."""
+
+    name: str  # the file name
+    path: str  # as given (for a Hub LoRA: repo id / file)
+    size: int
+    xxh3_128: str
+    scale: float  # --lora-scale
+    loader: str  # what read the file's keys (a diffusers LoRA loader, or safetensors for the diffusers/PEFT format)
+    converted: bool  # its keys were in another format (kohya, ...) and converted by `loader`
+    modules: dict[str, LoraModule]
+    repo_id: str | None = None
+    commit: str | None = None
+
+    def tensors(self) -> set[str]:
+        """The checkpoint tensors this LoRA changed."""
+        touched = {f"{m}.weight" for m in self.modules}
+        return touched | {f"{m}.bias" for m, info in self.modules.items() if info.bias}
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {k: v for k, v in vars(self).items() if k != "modules"}
+        data["modules"] = {m: vars(info).copy() for m, info in sorted(self.modules.items())}
+        return data
+
+
+@dataclass(frozen=True)
 class Source:
     kind: str  # file | folder | hub
     path: str  # as given (a repo id for the Hub)
@@ -137,6 +183,11 @@ class Source:
     subfolder: str | None = None
     revision: str | None = None  # as requested
     commit: str | None = None  # as resolved
+    loras: tuple[LoraRecord, ...] = ()  # fused at conversion, in the order applied; absent from the JSON when none
+
+    def lora_tensors(self) -> set[str]:
+        """The tensors a fused LoRA changed: they no longer equal the source's."""
+        return set().union(*(lora.tensors() for lora in self.loras)) if self.loras else set()
 
 
 @dataclass(frozen=True)
@@ -170,6 +221,10 @@ class Manifest:
     def chunks_for_tp_rank(self, tp_rank: int) -> dict[str, list[ChunkRecord]]:
         """What one TP rank reads: its own chunks plus every replicated tensor."""
         return {name: [c for c in record.chunks if c.owner in (None, tp_rank)] for name, record in self.tensors.items()}
+
+    def read_bytes(self, tp_rank: int) -> int:
+        """The bytes this TP rank reads at load (`ChunkRecord.load_bytes` of each record it reads)."""
+        return sum(c.load_bytes for chunks in self.chunks_for_tp_rank(tp_rank).values() for c in chunks)
 
     def files_for_tp_rank(self, tp_rank: int) -> list[str]:
         names = {c.file for chunks in self.chunks_for_tp_rank(tp_rank).values() for c in chunks}
@@ -207,6 +262,7 @@ class Manifest:
                 "index_text": source.index_text, "repo_id": source.repo_id, "subfolder": source.subfolder,
                 "revision": source.revision, "commit": source.commit,
                 "files": [vars(f).copy() for f in source.files],
+                **({"loras": [lora.to_dict() for lora in source.loras]} if source.loras else {}),
             },
             "derived_from": vars(self.derived_from).copy() if self.derived_from else None,
             "mesh": self.mesh.to_dict(),
@@ -250,11 +306,11 @@ def read_manifest(checkpoint: str | Path) -> Manifest:
     if path.is_dir():
         path = path / MANIFEST_NAME
     elif not path.exists() and (path.name != MANIFEST_NAME or not path.parent.is_dir()):
-        raise CorruptCheckpointError(
+        raise CheckpointNotFoundError(
             f"checkpoint {checkpoint} does not exist; pass the folder convert-checkpoint wrote"
         )
     if not path.is_file():
-        raise CorruptCheckpointError(
+        raise CheckpointFileMissingError(
             f"{path.parent} is not a complete preshard checkpoint ({MANIFEST_NAME} is missing); "
             "convert it with convert-checkpoint, or re-run an interrupted conversion"
         )
@@ -508,7 +564,7 @@ class _Parser:
 
     def source(self, value: Any) -> Source:
         keys = {"kind", "path", "files", "index_name", "index_text", "repo_id", "subfolder", "revision", "commit"}
-        s = self.obj(value, "source", keys)
+        s = self.obj(value, "source", keys, {"loras"})
         if s["kind"] not in SOURCE_KINDS:
             raise self.bad(f"source kind {s['kind']!r} is not one of {', '.join(SOURCE_KINDS)}")
         if not isinstance(s["files"], list):
@@ -525,7 +581,49 @@ class _Parser:
                 )
             )
         optional = {k: self.str(s[k], f"source {k}", optional=True) for k in keys - {"kind", "path", "files"}}
-        return Source(kind=s["kind"], path=self.str(s["path"], "source path"), files=tuple(files), **optional)
+        loras = self.loras(s["loras"]) if "loras" in s else ()
+        return Source(
+            kind=s["kind"], path=self.str(s["path"], "source path"), files=tuple(files), loras=loras, **optional
+        )
+
+    def number(self, value: Any, where: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise self.bad(f"{where} must be a finite number")
+        return float(value)
+
+    def loras(self, value: Any) -> tuple[LoraRecord, ...]:
+        if not isinstance(value, list) or not value:
+            raise self.bad("source loras must be a non-empty list")
+        records = []
+        for i, raw in enumerate(value):
+            where = f"source lora {i}"
+            keys = {"name", "path", "size", "xxh3_128", "scale", "loader", "converted", "modules", "repo_id", "commit"}
+            r = self.obj(raw, where, keys)
+            if not isinstance(r["modules"], dict) or not r["modules"] or not isinstance(r["converted"], bool):
+                raise self.bad(f"{where} needs 'modules' (an object) and 'converted' (true or false)")
+            modules = {}
+            for module, info in r["modules"].items():
+                m = self.obj(info, f"{where} module {module}", {"rank", "scaling", "bias"})
+                if not isinstance(m["bias"], bool) or not self.int(m["rank"], f"{where} module {module} rank"):
+                    raise self.bad(f"{where} module {module} needs a rank >= 1 and bias true or false")
+                modules[self.str(module, f"{where} module")] = LoraModule(
+                    m["rank"], self.number(m["scaling"], f"{where} module {module} scaling"), m["bias"]
+                )
+            records.append(
+                LoraRecord(
+                    name=self.str(r["name"], f"{where} name"),
+                    path=self.str(r["path"], f"{where} path"),
+                    size=self.int(r["size"], f"{where} size"),
+                    xxh3_128=self.hex(r["xxh3_128"], f"{where} xxh3_128", _HEX32),
+                    scale=self.number(r["scale"], f"{where} scale"),
+                    loader=self.str(r["loader"], f"{where} loader"),
+                    converted=r["converted"],
+                    modules=modules,
+                    repo_id=self.str(r["repo_id"], f"{where} repo_id", optional=True),
+                    commit=self.str(r["commit"], f"{where} commit", optional=True),
+                )
+            )
+        return tuple(records)
 
     def provenance(self, value: Any) -> Provenance | None:
         if value is None:
@@ -552,6 +650,8 @@ __all__ = [
     "MANIFEST_VERSION",
     "ChunkRecord",
     "FileRecord",
+    "LoraModule",
+    "LoraRecord",
     "Manifest",
     "Provenance",
     "Source",

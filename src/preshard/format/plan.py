@@ -1,6 +1,7 @@
 """Sharding plans: plain JSON data on disk, typed objects in memory, parsed and validated once.
 
-A plan names Linear modules (dotted paths; `*` matches one path component) with a style, attention
+A plan names Linear modules (dotted paths; `*` matches one path component) with a style (a packed style's
+blocks given, or read from the widths of named sibling Linears, `blocks_from`), attention
 modules whose head-count attributes are divided by the TP degree and whose attention runs context
 parallel, config keys that must divide by the TP degree, and optionally a CP plan (which inputs to
 split along the sequence and which outputs to gather) and the order in which the model joins split
@@ -25,10 +26,12 @@ import torch
 from preshard.errors import PlanError
 from preshard.format.dtypes import cast_dtype
 from preshard.format.layout import TensorLayout
-from preshard.format.styles import REPLICATE, Style, make_style
+from preshard.format.styles import REPLICATE, STYLES, Style, make_style
 
 PLAN_FORMAT = 1
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_MODULE_PATH = re.compile(r"^[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*$")
+_UNPACKED = {name for name, cls in STYLES.items() if not cls.packed}
 
 
 def matches(pattern: str, module: str) -> bool:
@@ -41,8 +44,40 @@ def matches(pattern: str, module: str) -> bool:
 
 @dataclass(frozen=True)
 class LinearRule:
+    """A style for the Linear modules `match` names. A packed style takes its block sizes from `style.blocks`, or,
+    with `blocks_from`, from the checkpoint: block i is as wide as the output of the Linear at `blocks_from[i]`,
+    a path relative to the matched module's parent (`["attn.to_q", "proj_mlp"]` for a `proj_out` over
+    `cat([attention, mlp])`), so one plan fits every width of a family."""
+
     match: str
     style: Style
+    blocks_from: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        if self.blocks_from:
+            return {"match": self.match, "style": self.style.name, "blocks_from": list(self.blocks_from)}
+        return {"match": self.match, **self.style.to_dict()}
+
+    def style_for(self, module: str, tensors: Mapping[str, tuple[tuple[int, ...], Any]], origin: str) -> Style:
+        """The style of `module`'s tensors: `style`, with `blocks_from` resolved against the checkpoint's shapes.
+
+        Raises:
+            PlanError: a `blocks_from` path naming no Linear weight of the checkpoint.
+        """
+        if not self.blocks_from:
+            return self.style
+        parent = module.rpartition(".")[0]
+        sizes = []
+        for path in self.blocks_from:
+            weight = f"{parent}.{path}.weight" if parent else f"{path}.weight"
+            shape = tensors.get(weight, ((),))[0]
+            if len(shape) != 2:
+                raise PlanError(
+                    f"{origin}: rule {self.match!r} takes a block size from {weight}, which this checkpoint lacks or "
+                    "is not a Linear weight; fix blocks_from"
+                )
+            sizes.append(int(shape[0]))
+        return type(self.style)(blocks=tuple(sizes))
 
 
 @dataclass(frozen=True)
@@ -118,7 +153,7 @@ class Plan:
             "name": self.name,
             "description": self.description,
             "model_classes": list(self.model_classes),
-            "linear": [{"match": r.match, **r.style.to_dict()} for r in self.linear],
+            "linear": [rule.to_dict() for rule in self.linear],
             "attention": [
                 {"match": a.match, "divide": list(a.divide), "context_parallel": a.context_parallel}
                 for a in self.attention
@@ -183,11 +218,10 @@ def _parse_plan(data: Any, origin: str) -> Plan:
     for i, rule in enumerate(raw_linear):
         if not isinstance(rule, dict) or not isinstance(rule.get("match"), str) or not rule["match"]:
             raise bad(f"linear rule {i} needs a non-empty string 'match'")
-        extra = sorted(set(rule) - {"match", "style", "blocks"})
+        extra = sorted(set(rule) - {"match", "style", "blocks", "blocks_from"})
         if extra:
             raise bad(f"linear rule {rule['match']!r} has unknown keys {extra}")
-        style = make_style(rule.get("style"), rule.get("blocks"), f"{origin}: linear rule {rule['match']!r}")
-        linear.append(LinearRule(rule["match"], style))
+        linear.append(_parse_linear_rule(rule, f"{origin}: linear rule {rule['match']!r}"))
     raw_attention = data.get("attention", [])
     if not isinstance(raw_attention, list):
         raise bad("'attention' must be a list of {match, divide, context_parallel} rules")
@@ -236,6 +270,21 @@ def _parse_plan(data: Any, origin: str) -> Plan:
         cp_join_order=tuple(join) if join is not None else None,
         origin=origin,
     )
+
+
+def _parse_linear_rule(rule: dict[str, Any], where: str) -> LinearRule:
+    if "blocks_from" not in rule:
+        return LinearRule(rule["match"], make_style(rule.get("style"), rule.get("blocks"), where))
+    paths = rule["blocks_from"]
+    if not (isinstance(paths, list) and paths and all(isinstance(p, str) and _MODULE_PATH.match(p) for p in paths)):
+        raise PlanError(f"{where}: 'blocks_from' must be a list of module paths such as \"attn.to_q\"")
+    if "blocks" in rule:
+        raise PlanError(f"{where}: give 'blocks' or 'blocks_from', not both")
+    name = rule.get("style")
+    style = make_style(name, None if isinstance(name, str) and name in _UNPACKED else 1, where)
+    if not style.packed:
+        raise PlanError(f"{where}: 'blocks_from' only applies to packed styles, not to {style.name}")
+    return LinearRule(rule["match"], type(style)(), tuple(paths))
 
 
 def _parse_seq_dim(value: Any, where: str, bad) -> SeqDim:
@@ -314,7 +363,7 @@ def resolve_plan(
                 f"{plan.origin}: module {module} matches both {rules[0].match!r} and {rules[1].match!r}; "
                 "make the plan's rules disjoint"
             )
-        style = rules[0].style if rules else REPLICATE
+        style = rules[0].style_for(module, tensors, plan.origin) if rules else REPLICATE
         if rules:
             hits[rules[0].match] += 1
         try:

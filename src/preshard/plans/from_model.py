@@ -252,8 +252,8 @@ def check_plan_against_model(plan: Plan, config: dict[str, Any] | None, tp: int,
     run at load time instead.
 
     Raises:
-        PlanError: an attention attribute that is missing, not an integer, or not divisible by `tp`; a CP mesh
-            with no CP plan anywhere.
+        PlanError: an attention attribute that is missing, not an integer, or not divisible by `tp`; a Linear left
+            whole inside an attention module whose heads are divided; a CP mesh with no CP plan anywhere.
     """
     check_cp_plan(plan, config, cp)
     rules = [rule for rule in plan.attention if rule.divide]
@@ -265,3 +265,23 @@ def check_plan_against_model(plan: Plan, config: dict[str, Any] | None, tp: int,
         for name, module in model.named_modules():
             if name and matches(rule.match, name):
                 rule.divided_values(name, module, tp)
+                if tp > 1:
+                    _check_projections_follow_heads(plan, name, module)
+
+
+def _check_projections_follow_heads(plan: Plan, name: str, attention: nn.Module) -> None:
+    """Inside an attention module whose heads the plan divides, every Linear must be sharded: one left whole
+    (Cosmos 2.5's image-context q_img, a variant's extra projection) would feed all heads to a rank that reshapes
+    by its own head count.
+
+    Raises:
+        PlanError: naming the first Linear no rule shards.
+    """
+    for child, module in attention.named_modules():
+        full = f"{name}.{child}"
+        if child and isinstance(module, nn.Linear) and not any(matches(r.match, full) for r in plan.linear):
+            raise PlanError(
+                f"{plan.origin}: {full} stays whole inside {name}, whose heads the plan divides by the TP degree, "
+                "so its output would not fit this rank's heads; this checkpoint is a variant the plan does not "
+                "cover: add a rule for it in a plan file (--plan) or use --tp 1"
+            )

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from preshard.errors import DeviceError
+from preshard.errors import CollectiveRuleViolation, DeviceError
 
 __all__ = [
     "CollectiveCall",
@@ -67,10 +67,6 @@ def _group_name(group: ProcessGroup | None) -> str:
 
 def _wait(tensor: torch.Tensor) -> torch.Tensor:
     return _functional().wait_tensor(tensor)
-
-
-class CollectiveRuleViolation(RuntimeError):
-    """A collective that Neuron/XLA would reject (or hang on), caught before it is issued."""
 
 
 @dataclass(frozen=True)

@@ -21,11 +21,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from preshard.errors import CorruptCheckpointError, MismatchError, PlanError, UsageError
+from preshard.errors import CheckpointFileMissingError, CorruptCheckpointError, MismatchError, PlanError, UsageError
 from preshard.format.fileio import pread_bytes
 from preshard.format.jsonio import parse_json_text
 from preshard.format.manifest import Manifest
 from preshard.format.plan import matches
+from preshard.units import plural
 
 
 @contextlib.contextmanager
@@ -60,7 +61,7 @@ def read_checkpoint_config(checkpoint: Path, manifest: Manifest) -> dict[str, An
             extra = os.fstat(f.fileno()).st_size != record.size
             raw = b"" if extra else pread_bytes(f.fileno(), 0, record.size, str(path))
     except FileNotFoundError:
-        raise CorruptCheckpointError(f"{path} is missing; copy the whole checkpoint folder again") from None
+        raise CheckpointFileMissingError(f"{path} is missing; copy the whole checkpoint folder again") from None
     if extra or not record.matches(raw):
         raise CorruptCheckpointError(
             f"{path} differs from the config the checkpoint was converted with (its xxh3_128 does not match the "
@@ -152,9 +153,11 @@ def check_against_manifest(model: nn.Module, manifest: Manifest) -> None:
     missing = sorted(set(expected) - set(manifest.tensors))
     unexpected = sorted(set(manifest.tensors) - set(expected))
     if missing:
-        raise MismatchError(f"the checkpoint lacks {len(missing)} tensors the model has: {_names(missing)}")
+        raise MismatchError(f"the checkpoint lacks {plural(len(missing), 'tensor')} the model has: {_names(missing)}")
     if unexpected:
-        raise MismatchError(f"the checkpoint has {len(unexpected)} tensors the model lacks: {_names(unexpected)}")
+        raise MismatchError(
+            f"the checkpoint has {plural(len(unexpected), 'tensor')} the model lacks: {_names(unexpected)}"
+        )
     layouts = {name: record.layout for name, record in manifest.tensors.items()}
     wrong_shape = [
         f"{n} (model {list(t.shape)}, checkpoint {list(layouts[n].shape)})"
@@ -162,14 +165,14 @@ def check_against_manifest(model: nn.Module, manifest: Manifest) -> None:
         if tuple(t.shape) != layouts[n].shape
     ]
     if wrong_shape:
-        raise MismatchError(f"shapes disagree for {len(wrong_shape)} tensors: {_names(wrong_shape)}")
+        raise MismatchError(f"shapes disagree for {plural(len(wrong_shape), 'tensor')}: {_names(wrong_shape)}")
     wrong_kind = [
         f"{n} (model {str(t.dtype).removeprefix('torch.')}, checkpoint {str(layouts[n].dtype).removeprefix('torch.')})"
         for n, t in expected.items()
         if t.dtype.is_floating_point != layouts[n].dtype.is_floating_point
     ]
     if wrong_kind:
-        raise MismatchError(f"dtypes disagree for {len(wrong_kind)} tensors: {_names(wrong_kind)}")
+        raise MismatchError(f"dtypes disagree for {plural(len(wrong_kind), 'tensor')}: {_names(wrong_kind)}")
 
 
 def _names(names: list[str], limit: int = 5) -> str:

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from preshard.errors import PlanError, PreshardError
+from preshard.errors import PlanError, UsageError
 from preshard.format.plan import CPEntry, Plan, SeqDim, matches
 from preshard.plans.from_model import DIFFUSERS_CP_JOIN_ORDER, cp_plan_from_diffusers
 from preshard.runtime import collectives
@@ -128,7 +128,7 @@ class CPRuntime:
     def rows_for(self, length: int, name: str | None, where: str) -> int:
         """Rows per rank of the sequence of `length` real rows: the same for every split of it in this forward."""
         if name is not None and name in self.named and self.named[name] != length:
-            raise PreshardError(
+            raise UsageError(
                 f"context parallel: {where} has {length} rows, but {name} had {self.named[name]} earlier in this "
                 "forward pass; a split input must keep its length through a forward"
             )
@@ -140,7 +140,7 @@ class CPRuntime:
                     break
                 rows += 1
             else:  # pragma: no cover - needs dozens of sequences of nearly one length
-                raise PreshardError(f"context parallel: {where}: cannot keep {len(self.sequences) + 1} sequences apart")
+                raise UsageError(f"context parallel: {where}: cannot keep {len(self.sequences) + 1} sequences apart")
             self.sequences[length] = rows
         if name is not None:
             self.named[name] = length
@@ -186,14 +186,14 @@ class CPRuntime:
         ]
         if joinable:
             parts = " and ".join(f"{x} tokens" for x in joinable[0])
-            raise PreshardError(
+            raise UsageError(
                 f"context parallel: {where} attends over sequences of {parts} joined, which are not multiples of "
                 f"the CP size {c}, and the plan does not say in which order the model joins them; choose sizes "
                 f"whose token counts divide by {c} (in a pipeline: height/width/num_frames for the image or video "
                 f"tokens, max_sequence_length for the text), or add cp_join_order to the plan"
             )
         seen = ", ".join(f"{length} tokens ({rows} per rank)" for length, rows in sorted(self.sequences.items()))
-        raise PreshardError(
+        raise PlanError(
             f"context parallel: {where} attends over {key_rows} key rows per rank, which is none of the sequences "
             f"this forward split ({seen}); if its keys are not split (cross-attention to the whole text), mark it "
             "context_parallel: false in the plan"
@@ -203,15 +203,13 @@ class CPRuntime:
 
     def split(self, x: Any, spec: SeqDim, where: str, name: str | None = None) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):
-            raise PreshardError(f"context parallel: {where} is {type(x).__name__}, not a tensor the CP plan can split")
+            raise UsageError(f"context parallel: {where} is {type(x).__name__}, not a tensor the CP plan can split")
         if spec.expected_dims is not None and x.dim() != spec.expected_dims:
-            raise PreshardError(
-                f"context parallel: {where} has {x.dim()} dims, the CP plan expects {spec.expected_dims}"
-            )
+            raise UsageError(f"context parallel: {where} has {x.dim()} dims, the CP plan expects {spec.expected_dims}")
         dim = spec.dim % x.dim()
         length = x.shape[dim]
         if length < 1:
-            raise PreshardError(f"context parallel: {where} is empty along the sequence dimension {dim}")
+            raise UsageError(f"context parallel: {where} is empty along the sequence dimension {dim}")
         rows = self.rows_for(length, name, where)
         padded = rows * self.cp_size
         if padded != length:
@@ -220,15 +218,15 @@ class CPRuntime:
 
     def gather(self, x: Any, dim: int, where: str) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):
-            raise PreshardError(f"context parallel: output of {where} is {type(x).__name__}, not a tensor to gather")
+            raise PlanError(f"context parallel: output of {where} is {type(x).__name__}, not a tensor to gather")
         if not self.sequences:
-            raise PreshardError(f"context parallel: {where} gathers a sequence that was never split in this forward")
+            raise PlanError(f"context parallel: {where} gathers a sequence that was never split in this forward")
         dim = dim % x.dim()
         rows = x.shape[dim]
         lengths = [length for length, r in self.sequences.items() if r == rows]
         if not lengths:
             seen = ", ".join(f"{length} tokens ({r} per rank)" for length, r in sorted(self.sequences.items()))
-            raise PreshardError(
+            raise PlanError(
                 f"context parallel: {where} gathers {rows} rows per rank, which is none of the sequences this "
                 f"forward split ({seen})"
             )
@@ -255,12 +253,12 @@ class CPRuntime:
     ) -> torch.Tensor:
         """`scaled_dot_product_attention`'s signature, computed across the CP group."""
         if attn_mask is not None or is_causal or dropout_p or enable_gqa:
-            raise PreshardError(
+            raise UsageError(
                 f"context parallel: {name} asked for an attention mask, causal attention, dropout or GQA, "
                 "which preshard's CP attention does not support"
             )
         if not self.sequences:
-            raise PreshardError(f"context parallel: {name} ran before the CP plan split the sequence")
+            raise PlanError(f"context parallel: {name} ran before the CP plan split the sequence")
         layout = self.key_layout(key.shape[2], name)
         if self.neuron:
             self._advise_neuron(key.shape[2] * self.groups.ulysses_size, layout)
@@ -308,14 +306,14 @@ class _CPAttentionRouter(TorchFunctionMode):
         """What a pipeline may have set on the module's processor that would bypass SDPA, refused in one line."""
         processor = getattr(module, "processor", None)
         if getattr(processor, "_parallel_config", None) is not None:
-            raise PreshardError(
+            raise UsageError(
                 f"context parallel: {self.name} has diffusers' own context parallelism enabled (enable_parallelism); "
                 "a model loaded by preshard is already context parallel: drop the enable_parallelism call"
             )
         backend = getattr(processor, "_attention_backend", None)
         backend = getattr(backend, "value", backend)
         if backend is not None and str(backend) not in _SDPA_BACKENDS:
-            raise PreshardError(
+            raise UsageError(
                 f"context parallel: {self.name} uses the attention backend {str(backend)!r}, which preshard cannot "
                 "run across ranks; use model.set_attention_backend('native') (or model.reset_attention_backend())"
             )
@@ -333,7 +331,7 @@ class _RoutedAttention(nn.Module):
         with router:
             out = super().forward(*args, **kwargs)
         if router.calls == 0:
-            raise PreshardError(
+            raise UsageError(
                 f"context parallel: {router.name} did not call torch.nn.functional.scaled_dot_product_attention "
                 f"(its processor is {type(getattr(self, 'processor', None)).__name__}), so its sequence could not be "
                 "attended across ranks; use diffusers' native attention backend and the module's default processor"

@@ -25,9 +25,11 @@ from preshard.runtime.construct import (
 )
 from preshard.runtime.devices import RankDevice, init_rank_device
 from preshard.runtime.groups import MeshGroups, build_groups
+from preshard.runtime.lora import attach_lora_loading
 from preshard.runtime.reader import ShardReader
 from preshard.runtime.report import REPORT_ATTRIBUTE, LoadReport
 from preshard.runtime.tp import parallelize_linear
+from preshard.units import plural
 
 
 def load_sharded(
@@ -44,6 +46,7 @@ def load_sharded(
     verify: bool = False,
     revision: str | None = None,
     token: str | bool | None = None,
+    subfolder: str | None = None,
 ) -> nn.Module:
     """Load this rank's shard of a converted checkpoint into `model`, with the TP and CP hooks attached.
 
@@ -64,6 +67,8 @@ def load_sharded(
         verify: also check every chunk this rank reads against its xxh3_64 (the cheap structural and framing
             checks always run).
         revision, token: for a Hub repo.
+        subfolder: the folder inside `checkpoint` (a Hub repo or a local folder) that holds the converted checkpoint,
+            e.g. "transformer" for a pipeline repo.
 
     Returns:
         The model, with `model.preshard_report` describing what was read and which hooks sit where.
@@ -75,13 +80,14 @@ def load_sharded(
     """
     return _load_sharded(
         model, checkpoint, mesh=mesh, cp=cp, ring=ring, ulysses=ulysses, order=order, device=device, dtype=dtype,
-        verify=verify, revision=revision, token=token,
+        verify=verify, revision=revision, token=token, subfolder=subfolder,
     )  # fmt: skip
 
 
 def _load_sharded(
-    model, checkpoint, *, mesh, cp, ring, ulysses, order, device, dtype, verify, revision, token, place_buffers=True
-) -> nn.Module:
+    model, checkpoint, *, mesh, cp, ring, ulysses, order, device, dtype, verify, revision, token, subfolder=None,
+    place_buffers=True,
+) -> nn.Module:  # fmt: skip
     """`load_sharded`, with a switch tests use to leave buffers where the model put them."""
     start = time.perf_counter()
     cast = parse_cast(dtype, "dtype=")
@@ -93,7 +99,7 @@ def _load_sharded(
         fetched.append(manifest)
         return _run_mesh(manifest, rank_device, mesh, cp, ring, ulysses, order).coords(rank_device.rank)["tp"]
 
-    checkpoint = _local_checkpoint(checkpoint, revision, token, tp_rank_of)
+    checkpoint = _local_checkpoint(checkpoint, revision, token, tp_rank_of, subfolder)
     manifest = fetched[0] if fetched else read_manifest(checkpoint)
     config = read_checkpoint_config(checkpoint, manifest)
     run_mesh = _run_mesh(manifest, rank_device, mesh, cp, ring, ulysses, order)
@@ -137,6 +143,7 @@ def _load_sharded(
         description = parallelize_linear(module, style, groups.tp, tp_rank, manifest.tp)
         if description is not None:
             report.add_hook(module_name, description)
+    attach_lora_loading(net, sharded, manifest, groups.tp, tp_rank, report)
     if run_mesh.cp > 1:
         from preshard.runtime.cp import attach_context_parallel
 
@@ -148,17 +155,23 @@ def _load_sharded(
 
 
 def _local_checkpoint(
-    checkpoint: str | Path, revision: str | None, token: str | bool | None, tp_rank_of: Callable[[Manifest], int]
+    checkpoint: str | Path,
+    revision: str | None,
+    token: str | bool | None,
+    tp_rank_of: Callable[[Manifest], int],
+    subfolder: str | None = None,
 ) -> Path:
     """A local checkpoint folder as given, or the files this rank reads of a pre-sharded Hub repo."""
     path = Path(checkpoint)
+    if path.is_dir() and subfolder:
+        path = path / subfolder
     if path.exists() or not isinstance(checkpoint, str):
         if revision is not None:
             raise UsageError(f"revision= applies to Hub repos, but {checkpoint} is a local path; drop revision=")
         return path
     from preshard.runtime.hub import fetch_rank_files
 
-    return fetch_rank_files(checkpoint, tp_rank=tp_rank_of, revision=revision, token=token)
+    return fetch_rank_files(checkpoint, tp_rank=tp_rank_of, revision=revision, token=token, subfolder=subfolder)
 
 
 def _run_mesh(manifest: Manifest, rank_device: RankDevice, mesh, cp, ring, ulysses, order) -> MeshSpec:
@@ -175,12 +188,23 @@ def _run_mesh(manifest: Manifest, rank_device: RankDevice, mesh, cp, ring, ulyss
     else:
         run = MeshSpec.build(saved.tp, cp, ring, ulysses, order, default=saved)
     if run.world_size != rank_device.world_size:
-        raise MismatchError(
-            f"world size {rank_device.world_size} does not match the mesh {run.describe()} = {run.world_size} ranks; "
-            f"launch {run.world_size} ranks (torchrun --nproc-per-node {run.world_size}) or pass ring=/ulysses= "
-            f"whose product with tp={run.tp} is {rank_device.world_size}"
-        )
+        raise MismatchError(world_size_message(run, rank_device.world_size))
     return run
+
+
+def world_size_message(run: MeshSpec, world: int) -> str:
+    """The job has `world` ranks, the mesh needs another number: say how to launch it, and, where the job's size can
+    work (a multiple of the TP degree), which CP layout would fit it instead."""
+    how = "this process runs alone (not under torchrun)" if world == 1 else f"the job has {plural(world, 'rank')}"
+    message = (
+        f"the mesh {run.describe()} needs {plural(run.world_size, 'rank')} but {how}; launch it with torchrun "
+        f"--nproc-per-node {run.world_size} (or --nnodes N --nproc-per-node {run.world_size}/N across N hosts)"
+    )
+    if world > 1 and world % run.tp == 0:
+        message += f", or pass cp={world // run.tp} (or ring=/ulysses= with that product) to run on {world} ranks"
+    elif world > 1 and world % run.tp:
+        message += f"; the checkpoint's tp={run.tp} needs a multiple of {run.tp} ranks"
+    return message
 
 
 def _new_report(rank_device: RankDevice, mesh: MeshSpec, groups: MeshGroups, checkpoint: Path) -> LoadReport:
@@ -240,4 +264,7 @@ def check_placement(net: nn.Module, device: torch.device) -> None:
     ]
     if wrong:
         shown = ", ".join(wrong[:5]) + (f" and {len(wrong) - 5} more" if len(wrong) > 5 else "")
-        raise MismatchError(f"{len(wrong)} tensors are not on {device} after loading: {shown}")
+        raise MismatchError(
+            f"{plural(len(wrong), 'tensor')} {'is' if len(wrong) == 1 else 'are'} not on {device} after loading: "
+            f"{shown}"
+        )

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import xxhash
 
-from preshard.errors import ChecksumMismatch, CorruptCheckpointError
+from preshard.errors import CheckpointFileMissingError, ChecksumMismatch, CorruptCheckpointError
 from preshard.format.fileio import byte_view, pread_into
 from preshard.format.layout import ChunkRecord
 from preshard.format.manifest import Manifest
@@ -50,7 +50,7 @@ def check_files(checkpoint: Path, manifest: Manifest, names: list[str]) -> None:
         path = checkpoint / name
         record = manifest.file(name)
         if not path.is_file():
-            raise CorruptCheckpointError(f"data file {path} is missing; copy the whole checkpoint folder again")
+            raise CheckpointFileMissingError(f"data file {path} is missing; copy the whole checkpoint folder again")
         size = path.stat().st_size
         if size != record.size:
             raise CorruptCheckpointError(
@@ -182,7 +182,7 @@ class ShardReader:
             )
 
     def _count(self, chunk: ChunkRecord) -> None:
-        self.stats.bytes_read += chunk.data_length
+        self.stats.bytes_read += chunk.load_bytes
         self.stats.chunks += 1
 
     # -- CPU: straight into the parameter

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from preshard.errors import SourceError
+from preshard.errors import SourceError, SourceNotFoundError
 from preshard.sources.local import CheckpointSource, open_local
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ def _local_path(source: str | Path, subfolder: str | None, revision: str | None)
 
 
 def _missing(source: str | Path) -> SourceError:
-    return SourceError(
+    return SourceNotFoundError(
         f"source {source} does not exist; pass a .safetensors file, a folder holding them, or a Hub repo id (org/name)"
     )
 
@@ -173,7 +173,7 @@ def open_source_headers(
     from preshard.sources import hub
 
     headers, config, commit = hub.source_headers(str(source), subfolder=subfolder, revision=revision, token=token)
-    clean = hub._clean_subfolder(subfolder)
+    clean = hub.clean_subfolder(subfolder)
     snapshot = hub.HubSnapshot(str(source), clean, revision, commit, Path(), tuple(headers))
     tensors: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     for file_name, header in headers.items():
@@ -190,7 +190,7 @@ def open_source_headers(
             tensors[name] = (tuple(info["shape"]), dtype)
     raw_config = None
     if config is not None:
-        cached = try_to_load_from_cache(str(source), hub._join(clean, "config.json"), revision=commit)
+        cached = try_to_load_from_cache(str(source), hub.join_path(clean, "config.json"), revision=commit)
         raw_config = Path(cached).read_bytes() if isinstance(cached, str) else None
     return HeaderSource(str(source), snapshot, tensors, config, raw_config)
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from preshard.errors import SourceError
+from preshard.errors import SourceError, SourceNotFoundError
 from preshard.format.jsonio import read_json
 from preshard.sources.safetensors_file import SafetensorsHeader, TensorEntry, read_header
 
@@ -60,8 +60,8 @@ class CheckpointSource:
         return [entry.name for entry in self.in_file_order()]
 
     def input_paths(self) -> list[Path]:
-        """Files the output must not overlap."""
-        return [h.path for h in self.files]
+        """What the output must not overlap: the files, and a folder source's folder (no output inside it)."""
+        return [h.path for h in self.files] + ([self.path] if self.kind == "folder" else [])
 
     def config_bytes(self) -> bytes | None:
         return self.config_path.read_bytes() if self.config_path is not None else None
@@ -123,7 +123,7 @@ def open_local(path: str | Path) -> CheckpointSource:
     given = str(path)
     path = Path(path)
     if not path.exists():
-        raise SourceError(f"source {path} does not exist; pass a .safetensors file or a folder holding them")
+        raise SourceNotFoundError(f"source {path} does not exist; pass a .safetensors file or a folder holding them")
     if path.is_file():
         if path.name.endswith(".index.json"):
             return _from_index(path.parent, path, given)
@@ -160,7 +160,7 @@ def _from_index(folder: Path, index_path: Path, given: str) -> CheckpointSource:
     for file_name in dict.fromkeys(weight_map.values()):
         file_path = folder / file_name
         if Path(file_name).name != file_name or not file_path.is_file():
-            raise SourceError(f"{index_path.name} names {file_name}, which is missing from {folder}")
+            raise SourceNotFoundError(f"{index_path.name} names {file_name}, which is missing from {folder}")
         headers.append(read_header(file_path))
     source = _source("folder", folder, headers, folder / CONFIG_NAME, given)
     for name, file_name in weight_map.items():

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import xxhash
 
-from preshard.errors import ChecksumMismatch, CorruptCheckpointError, SourceError
+from preshard.errors import CheckpointNotFoundError, ChecksumMismatch, CorruptCheckpointError, SourceError
 from preshard.format.fileio import HASH_BLOCK, byte_view, pread_into
 from preshard.format.jsonio import parse_json_text
 from preshard.format.layout import ChunkRecord
@@ -450,7 +450,7 @@ def open_presharded(
             checkpoint, checkpoint_files(manifest), revision=first.commit, token=token, subfolder=subfolder
         )
         return PreshardedSource(snapshot.folder, given=checkpoint, manifest=manifest)
-    raise CorruptCheckpointError(
+    raise CheckpointNotFoundError(
         f"checkpoint {checkpoint} does not exist; pass a folder convert-checkpoint wrote, or a Hub repo id (org/name)"
     )
 

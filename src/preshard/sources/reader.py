@@ -24,13 +24,16 @@ import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import xxhash
 
 from preshard.format.fileio import HASH_BLOCK, byte_view, pread_into
-from preshard.sources.local import CheckpointSource
 from preshard.sources.safetensors_file import TensorEntry
+
+if TYPE_CHECKING:  # local.py opens a reader: only the type comes from there
+    from preshard.sources.local import CheckpointSource
 
 ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and memory
 DIRECT_MIN_BYTES = 1 << 20  # smaller reads go through the page cache
@@ -91,8 +94,17 @@ class _Residency:
         self.page = mmap.PAGESIZE
 
     def cached(self, fd: int, offset: int, length: int) -> bool | None:
-        if self.libc is None:
-            return None
+        vec = self._vector(fd, offset, length)
+        return None if vec is None else all(b & 1 for b in vec)
+
+    def pages(self, fd: int, offset: int, length: int) -> int | None:
+        """How many pages of the range are in the page cache."""
+        vec = self._vector(fd, offset, length)
+        return None if vec is None else sum(b & 1 for b in vec)
+
+    def _vector(self, fd: int, offset: int, length: int) -> bytes | None:
+        if self.libc is None or length <= 0:
+            return None if self.libc is None else b""
         start = offset - offset % self.page
         length += offset - start
         addr = self.libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
@@ -103,9 +115,26 @@ class _Residency:
             vec = (ctypes.c_ubyte * pages)()
             if self.libc.mincore(addr, length, vec) != 0:
                 return None
-            return all(b & 1 for b in bytes(vec))
+            return bytes(vec)
         finally:
             self.libc.munmap(addr, length)
+
+
+def cached_bytes(path: Path, window: int = 1 << 30) -> int | None:
+    """How many bytes of `path` are in the page cache now (Linux `mincore`, asked window by window on a mapping that
+    is never touched); None where that cannot be asked. The dry run's estimate reads only what is not cached."""
+    residency = _Residency()
+    if residency.libc is None:
+        return None
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        cached = 0
+        for offset in range(0, size, window):
+            pages = residency.pages(f.fileno(), offset, min(window, size - offset))
+            if pages is None:
+                return None
+            cached += pages * residency.page
+    return min(cached, size)
 
 
 @dataclass

@@ -22,8 +22,9 @@ import shutil
 from pathlib import Path
 
 from preshard.converter.convert import plan_conversion, resolve_mesh, write_conversion
+from preshard.converter.parallel import run_workers
 from preshard.converter.workdir import commit, fresh_workdir
-from preshard.errors import OutputError
+from preshard.errors import OutputError, UsageError
 from preshard.format.jsonio import fsync_file, write_json_atomic
 from preshard.format.manifest import DCP_METADATA_NAME, MANIFEST_NAME, Manifest, created_now
 from preshard.format.mesh import MeshSpec
@@ -51,6 +52,7 @@ def reshard_checkpoint(
     overwrite: bool = False,
     wait: bool = False,
     progress: bool | None = None,
+    workers: int = 1,
 ) -> Manifest:
     """Write `input` (a converted checkpoint) resharded for another mesh into `output`; the source is not needed.
 
@@ -63,6 +65,8 @@ def reshard_checkpoint(
         overwrite: replace an existing `output` if it is what this command writes (any other folder is refused).
         wait: wait for another conversion into `output` to finish instead of failing at once.
         progress: show progress (default: when stderr is a terminal).
+        workers: local processes writing the new data files (at most the new TP degree), as for
+            `convert_checkpoint`; the output is the same byte for byte. A CP-only change writes no data: ignored.
 
     Returns:
         The manifest written to `output/manifest.json` (with `derived_from` naming `input`).
@@ -74,6 +78,13 @@ def reshard_checkpoint(
     """
     source = open_presharded(input, subfolder=subfolder, revision=revision, token=token)
     new_mesh = resolve_mesh(mesh, tp, cp, ring, ulysses, order, default=source.manifest.mesh)
+    if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers:
+        raise UsageError(f"workers must be a positive integer, not {workers!r}")
+    if workers > new_mesh.tp:
+        raise UsageError(
+            f"--workers {workers} is more than --tp {new_mesh.tp}: each worker writes whole data files, one per TP "
+            f"rank; use --workers {new_mesh.tp} or fewer"
+        )
     output = Path(output)
     if new_mesh.tp == source.manifest.tp:
         # The data stay; only the CP layout can be new, and it needs a CP plan somewhere (the plan's or the class's):
@@ -82,6 +93,10 @@ def reshard_checkpoint(
             check_cp_plan(source.manifest.plan, source.config, new_mesh.cp)
         return _relink(source, output, new_mesh, overwrite=overwrite, wait=wait)
     job = plan_conversion(source, mesh=new_mesh, plan=source.manifest.plan, dtype=source.manifest.dtype)
+    if workers > 1:
+        return run_workers(
+            write_conversion, job, output, workers=workers, overwrite=overwrite, wait=wait, progress=progress
+        )
     return write_conversion(job, output, overwrite=overwrite, wait=wait, progress=progress)
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import xxhash
 
-from preshard.errors import CorruptCheckpointError, PreshardError
+from preshard.errors import CheckpointNotFoundError, CorruptCheckpointError, UsageError
 from preshard.format.dcp_metadata import dcp_metadata_problems
 from preshard.format.fileio import byte_view, pread_into
 from preshard.format.layout import ChunkRecord
@@ -44,10 +44,15 @@ from preshard.format.manifest import (
 )
 from preshard.format.slicing import BufferPool, tensor_pieces
 from preshard.progress import Progress
-from preshard.units import human_bytes
+from preshard.units import human_bytes, plural
 
 SCAN_BLOCK = 8 << 20
 MAX_SHOWN = 20
+# What to do about any problem verify finds: the checkpoint's files no longer are what was converted.
+FIX = (
+    "copy the checkpoint folder again from a good copy (a Hub repo: delete the damaged files from the HF cache), or "
+    "convert the source again with --overwrite"
+)
 
 
 @dataclass
@@ -64,6 +69,7 @@ class VerifyResult:
     source: str | None = None
     source_files: int = 0
     source_tensors: int = 0  # tensors compared with the source bit for bit and found equal
+    lora_tensors: int = 0  # tensors a LoRA fused at conversion changed: not compared with the source
 
     @property
     def ok(self) -> bool:
@@ -78,14 +84,16 @@ class VerifyResult:
 
     def summary(self) -> str:
         what = (
-            f"{self.tensors} tensors, {self.chunks} chunks, {self.files} data files "
+            f"{plural(self.tensors, 'tensor')}, {plural(self.chunks, 'chunk')}, {plural(self.files, 'data file')} "
             f"({human_bytes(self.bytes_hashed)} hashed)"
         )
         if self.source is not None:
-            what += f"; {self.source_tensors} tensors equal to the source bit for bit"
+            what += f"; {plural(self.source_tensors, 'tensor')} equal to the source bit for bit"
+            if self.lora_tensors:
+                what += f" ({self.lora_tensors} changed by the LoRAs fused at conversion, not compared)"
         if self.ok:
             return f"OK {self.checkpoint}: {what}"
-        return f"FAILED {self.checkpoint}: {len(self.problems)} problems; checked {what}"
+        return f"FAILED {self.checkpoint}: {plural(len(self.problems), 'problem')}; checked {what}; {FIX}"
 
     def report_lines(self, limit: int = MAX_SHOWN) -> list[str]:
         lines = list(self.problems[:limit])
@@ -99,6 +107,8 @@ class VerifyResult:
             "damaged_tensors": list(self.damaged_tensors), "files": self.files, "bytes_hashed": self.bytes_hashed,
             "tensors": self.tensors, "chunks": self.chunks, "source": self.source,
             "source_files": self.source_files, "source_tensors": self.source_tensors,
+            "lora_tensors": self.lora_tensors,
+            "fix": None if self.ok else FIX,
         }  # fmt: skip
 
 
@@ -128,9 +138,9 @@ def verify_checkpoint(
     """
     path = Path(checkpoint)
     if not path.exists():
-        raise PreshardError(f"checkpoint {path} does not exist; pass the folder convert-checkpoint wrote")
+        raise CheckpointNotFoundError(f"checkpoint {path} does not exist; pass the folder convert-checkpoint wrote")
     if not path.is_dir():
-        raise PreshardError(f"checkpoint {path} is not a folder; pass the folder convert-checkpoint wrote")
+        raise UsageError(f"checkpoint {path} is not a folder; pass the folder convert-checkpoint wrote")
     if not (path / MANIFEST_NAME).is_file():
         read_manifest(path)  # raises: not a (complete) preshard checkpoint
     result = VerifyResult(str(path), source=str(source) if source is not None else None)
@@ -176,7 +186,7 @@ def _check_data_files(checkpoint: Path, manifest: Manifest, result: VerifyResult
         chunks = sorted(by_file[record.name], key=lambda c: c.offset)
         if not path.is_file():
             names = _tensor_names(chunks)
-            result.add(f"data file {record.name} is missing ({len(chunks)} chunks of {names})")
+            result.add(f"data file {record.name} is missing ({plural(len(chunks), 'chunk')} of {names})")
             for c in chunks:
                 bad.add(id(c))
                 result.damaged(c.tensor)
@@ -294,6 +304,7 @@ def _check_source(checkpoint: Path, manifest: Manifest, src, result: VerifyResul
     fds: dict[str, int] = {}
     reader = SourceReader(src)
     pool = BufferPool()
+    fused = manifest.source.lora_tensors()
     try:
         for f in manifest.files:
             if (checkpoint / f.name).is_file():
@@ -301,6 +312,11 @@ def _check_source(checkpoint: Path, manifest: Manifest, src, result: VerifyResul
         for entry in src.in_file_order():
             record = manifest.tensors.get(entry.name)
             layout = record.layout if record is not None else None
+            if entry.name in fused:  # read (for the file hash), not compared: a LoRA changed it
+                reader.read_into(entry, entry.start, torch.empty(entry.nbytes, dtype=torch.uint8))
+                bar.update(entry.nbytes)
+                result.lora_tensors += 1
+                continue
             if layout is None or layout.shape != entry.shape or layout.source_dtype != entry.dtype:
                 if layout is not None:
                     result.add(
