@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 from multiproc import init_gloo, run_ranks
+from tiny_builtin import build as build_builtin
 from tiny_diffusers import build, save
 
 from preshard.converter.convert import convert_checkpoint
@@ -33,6 +34,7 @@ EVEN = (24, 12)  # divides by every CP size here
 LTX_LENGTHS = [((2, 2, 3), 5), ((1, 3, 3), 4), ((2, 2, 2), 6)]  # (frames, height, width) video, audio frames
 FLUX_MESHES = {2: [(1, 2, 1)], 3: [(1, 1, 3)], 4: [(2, 1, 2), (2, 2, 1), (1, 2, 2)]}  # world -> (tp, ring, ulysses)
 LTX_MESHES = {2: [(1, 1, 2), (1, 2, 1)], 3: [(1, 1, 3)]}
+SD3_LENGTHS = [((10, 6), 5), ((6, 6), 7), ((8, 8), 8)]  # (latent height, width): 15, 9, 16 image tokens; text rows
 pytestmark = pytest.mark.timeout(900)
 
 
@@ -86,6 +88,17 @@ def ltx_inputs(video: tuple[int, int, int], audio: int, seed: int = 0) -> dict[s
     )
 
 
+def sd3_inputs(latent: tuple[int, int], text: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """SD3 (built-in plan; it joins image before text): a latent of `latent` pixels (patch 2) and `text` rows."""
+    g = torch.Generator().manual_seed(300 + seed)
+    return dict(
+        hidden_states=torch.randn(1, 4, *latent, generator=g),
+        encoder_hidden_states=torch.randn(1, text, 16, generator=g),
+        pooled_projections=torch.randn(1, 8, generator=g),
+        timestep=torch.tensor([500.0]),
+    )
+
+
 def _split(dims: int = 3) -> dict[str, int]:
     return {"dim": 1, "expected_dims": dims}
 
@@ -124,21 +137,28 @@ LTX_PLAN = {
 def checkpoints(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("any-length")
     flux = save(build("flux")[0], root / "src-flux")
+    sd3 = save(build_builtin("sd3")[0], root / "src-sd3")
+    convert_checkpoint(sd3, root / "sd3", tp=1, progress=False)  # the built-in plan
     ltx = save(ltx_model(), root / "src-ltx2")
     plan = root / "ltx2-plan.json"
     plan.write_text(json.dumps(LTX_PLAN))
     for tp in (1, 2):
         convert_checkpoint(flux, root / f"flux-tp{tp}", tp=tp, progress=False)
     convert_checkpoint(ltx, root / "ltx2", tp=1, plan=plan, progress=False)
-    return {"flux1": str(root / "flux-tp1"), "flux2": str(root / "flux-tp2"), "ltx2": str(root / "ltx2")}
+    return {
+        "flux1": str(root / "flux-tp1"), "flux2": str(root / "flux-tp2"), "ltx2": str(root / "ltx2"),
+        "sd3": str(root / "sd3"),
+    }  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def references() -> dict:
     flux = build("flux")[0]
     ltx = ltx_model()
+    sd3 = build_builtin("sd3")[0]
     with torch.no_grad():
         return {
+            "sd3": {n: sd3(**sd3_inputs(*n), return_dict=False)[0] for n in SD3_LENGTHS},
             "flux": {n: flux(**flux_inputs(*n), return_dict=False)[0] for n in [*FLUX_LENGTHS, EVEN]},
             "ltx2": {lengths: ltx(**ltx_inputs(*lengths), return_dict=False) for lengths in LTX_LENGTHS},
         }
@@ -211,6 +231,21 @@ def _ltx_rank(rank: int, world: int, checkpoints: dict, references: dict, meshes
                 "rows": dict(net.preshard_report.attention_rows),
             }
         results[(tp, ring, ulysses)] = run
+    return results
+
+
+def _sd3_rank(rank: int, world: int, checkpoints: dict, references: dict) -> dict:
+    from diffusers import SD3Transformer2DModel
+
+    from preshard.runtime.load import load_sharded
+
+    init_gloo()
+    results = {}
+    for ring, ulysses in ((1, 2), (2, 1)):
+        net = load_sharded(SD3Transformer2DModel, checkpoints["sd3"], ring=ring, ulysses=ulysses)
+        for lengths in SD3_LENGTHS:
+            out, violations, _ = _checked_forward(net, sd3_inputs(*lengths))
+            results[(ring, ulysses, lengths)] = ((out[0] - references["sd3"][lengths]).abs().max().item(), violations)
     return results
 
 
@@ -323,6 +358,20 @@ def test_ltx2_video_and_audio_equal_unsharded_at_any_length(ltx_runs, mesh, leng
         for name, n in rows.items():  # queries: this rank's video rows, or its audio rows
             queries = video if name.endswith((".attn1", ".audio_to_video_attn")) else lengths[1]
             assert n == -(-queries // cp), (name, n, queries)
+
+
+@pytest.fixture(scope="module")
+def sd3_runs(checkpoints, references) -> list[dict]:
+    return run_ranks(_sd3_rank, 2, checkpoints, references, timeout=600)
+
+
+@pytest.mark.parametrize("lengths", SD3_LENGTHS, ids=lambda x: f"latent{x[0][0]}x{x[0][1]}-text{x[1]}")
+@pytest.mark.parametrize("ring, ulysses", [(1, 2), (2, 1)], ids=["uly2", "ring2"])
+def test_sd3_built_in_plan_joins_image_before_text_at_any_length(sd3_runs, ring, ulysses, lengths):
+    for rank, run in enumerate(sd3_runs):
+        diff, violations = run[(ring, ulysses, lengths)]
+        assert diff <= TOL, (rank, diff)
+        assert violations == []
 
 
 @pytest.fixture(scope="module")
