@@ -5,8 +5,10 @@ blocks given, or read from the widths of named sibling Linears, `blocks_from`; n
 style), attention modules whose head-count attributes are divided by the TP degree and whose attention runs
 context parallel, config keys that must divide by the TP degree, config values the plan is made for, outputs
 of replicated modules that each TP rank slices to its own heads (LTX-2's rotary embeddings), and optionally a
-CP plan (which inputs to split along the sequence and which outputs to gather). The manifest embeds the
-resolved plan, so the runtime needs nothing but the checkpoint to shard the model.
+CP plan (which inputs to split along the sequence and which outputs to gather) and the order in which the
+model joins split sequences for attention (`cp_join_order`, e.g. Flux's text before image: CP needs it to find
+the padded rows of each at any length). The manifest embeds the resolved plan, so the runtime needs nothing but
+the checkpoint to shard the model.
 
 `resolve_plan` applies a plan to a checkpoint's tensor names and shapes: one `TensorLayout` each.
 """
@@ -148,6 +150,9 @@ class Plan:
     model_classes: tuple[str, ...] = ()
     description: str = ""
     cp_plan: dict[str, CPEntry] | None = None
+    # Split inputs (cp_plan argument names) in the order the model joins their rows where it attends over
+    # several at once, e.g. ("encoder_hidden_states", "hidden_states") for Flux. None: never joined.
+    cp_join_order: tuple[str, ...] | None = None
     origin: str = "plan"  # where it came from, for messages ("built-in plan minimax-h3", a file, a model class)
     # Replicated modules whose outputs each TP rank slices to its 1/tp part along a dim (per-head rotary tables).
     tp_split_outputs: dict[str, dict[int, SeqDim]] = field(default_factory=dict)
@@ -176,6 +181,8 @@ class Plan:
             }
         if self.config_requires:
             data["config_requires"] = dict(self.config_requires)
+        if self.cp_join_order is not None:
+            data["cp_join_order"] = list(self.cp_join_order)
         return data
 
     @classmethod
@@ -227,7 +234,7 @@ def _parse_plan(data: Any, origin: str) -> Plan:
         raise bad("must be a JSON object with 'name' and 'linear'")
     known = {
         "format", "name", "description", "model_classes", "linear", "attention", "config_divisible", "cp_plan",
-        "tp_split_outputs", "config_requires",
+        "tp_split_outputs", "config_requires", "cp_join_order",
     }  # fmt: skip
     unknown = sorted(set(data) - known)
     if unknown:
@@ -285,6 +292,22 @@ def _parse_plan(data: Any, origin: str) -> Plan:
         isinstance(v, (str, int, float, bool)) or v is None for v in config_requires.values()
     ):
         raise bad("'config_requires' must map config keys to JSON scalars (strings, numbers, true/false, null)")
+    join = data.get("cp_join_order")
+    if join is not None:
+        if (
+            not isinstance(join, list)
+            or len(join) < 2
+            or not all(isinstance(a, str) and _IDENTIFIER.match(a) for a in join)
+        ):
+            raise bad(
+                "'cp_join_order' must list two or more split input names, e.g. [encoder_hidden_states, hidden_states]"
+            )
+        if len(set(join)) != len(join):
+            raise bad(f"'cp_join_order' {join} names an input twice")
+        split = {arg for entry in (cp_plan or {}).values() for arg in entry.split_inputs}
+        unknown_args = [a for a in join if cp_plan is not None and a not in split]
+        if unknown_args:
+            raise bad(f"'cp_join_order' names {unknown_args}, which no cp_plan entry splits")
     return Plan(
         name=name,
         linear=tuple(linear),
@@ -293,6 +316,7 @@ def _parse_plan(data: Any, origin: str) -> Plan:
         model_classes=tuple(model_classes),
         description=description,
         cp_plan=cp_plan,
+        cp_join_order=tuple(join) if join is not None else None,
         origin=origin,
         tp_split_outputs=tp_split_outputs,
         config_requires=dict(config_requires),

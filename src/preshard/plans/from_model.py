@@ -31,6 +31,14 @@ from preshard.plans.model_check import (
     is_attention,
 )
 
+# Where a class's `_cp_plan` splits several sequences that its attention joins, the order of the join (the
+# processors' `torch.cat([encoder_query, query])`): context parallelism needs it to drop each sequence's padding.
+DIFFUSERS_CP_JOIN_ORDER: dict[str, tuple[str, ...]] = {
+    "FluxTransformer2DModel": ("encoder_hidden_states", "hidden_states"),
+    "Flux2Transformer2DModel": ("encoder_hidden_states", "hidden_states"),
+    "QwenImageTransformer2DModel": ("encoder_hidden_states", "hidden_states"),
+}
+
 
 def import_model_class(class_name: str) -> type:
     """`diffusers.<class_name>`.
@@ -120,6 +128,7 @@ def plan_from_model(model: nn.Module, config: dict[str, Any] | None = None) -> P
         model_classes=(cls.__name__,),
         description=f"the TP plan {cls.__name__} declares (diffusers _tp_plan), with its _cp_plan",
         cp_plan=cp_plan_from_diffusers(cls._cp_plan) if getattr(cls, "_cp_plan", None) else None,
+        cp_join_order=DIFFUSERS_CP_JOIN_ORDER.get(cls.__name__) if getattr(cls, "_cp_plan", None) else None,
         origin=origin,
     )
 

@@ -6,6 +6,7 @@ the whole sequence and returns the right answer), so tests assert this descripti
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,13 +30,14 @@ class LoadReport:
     chunks_read: int = 0
     files_read: list[str] = field(default_factory=list)
     verified: bool = False
-    attention_rows: dict[str, int] = field(default_factory=dict)  # query rows each CP attention saw, last forward
+    attention_rows: Mapping[str, int] = field(default_factory=dict)  # query rows each CP attention saw, last forward
     read_seconds: float = 0.0
     total_seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """The report as plain data; `read_bytes_per_rank` is this rank's reads, as `plan` and `inspect` count them."""
         data = {k: v for k, v in vars(self).items() if k != "bytes_read"}
+        data["attention_rows"] = dict(self.attention_rows)  # CP reads it from the attention routers
         return {"read_bytes_per_rank": self.bytes_read, **data}
 
     def add_hook(self, module: str, description: str) -> None:
