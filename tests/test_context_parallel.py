@@ -110,20 +110,24 @@ def _diffs(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> dic
     return result
 
 
-def _live_hooks(net: nn.Module) -> dict[str, tuple[int, int]]:
-    """(forward pre-hooks, forward hooks) really registered on the modules CP should hook."""
+def _live_hooks(net: nn.Module) -> dict[str, tuple[int, int, bool]]:
+    """(forward pre-hooks, forward hooks, attention routed) really on the modules CP should hook."""
     modules = dict(net.named_modules())
-    return {n: (len(modules[n]._forward_pre_hooks), len(modules[n]._forward_hooks)) for n in LIVE_MODULES}
+    return {
+        n: (len(modules[n]._forward_pre_hooks), len(modules[n]._forward_hooks), CP.is_routed(modules[n]))
+        for n in LIVE_MODULES
+    }
 
 
 def _strip_forward_hooks(net: nn.Module) -> None:
-    """The negative control: every forward hook gone (TP lives in the module classes and stays)."""
+    """The negative control: every forward hook and attention router gone (TP lives in the Linear classes)."""
     for module in net.modules():
         for attr in ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks"):
             getattr(module, attr).clear()
         for attr in ("_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
             if hasattr(module, attr):
                 getattr(module, attr).clear()
+        CP.unroute_attention(module)
 
 
 def _add_probe(net: nn.Module) -> dict[str, int]:
@@ -164,10 +168,14 @@ def _run_mesh(net: nn.Module, inputs: dict[int, dict], refs: dict, seq_lens) -> 
 
 def _plain_sdpa_check() -> str | float:
     """An SDPA call outside any model (say, a text encoder's) must not be routed to CP attention, even
-    right after a forward that raised inside a CP attention module: max diff to plain SDPA, or the error."""
+    right after a forward that raised inside a CP attention module, and nothing patches the public name:
+    max diff to torch's own CPU kernel, or what went wrong."""
+    if F.scaled_dot_product_attention is not torch._C._nn.scaled_dot_product_attention:
+        return "torch.nn.functional.scaled_dot_product_attention is patched"
     q, k, v = torch.randn(3, 1, 2, 5, 8).unbind(0)
     try:
-        return (F.scaled_dot_product_attention(q, k, v) - CP._ORIGINAL_SDPA(q, k, v)).abs().max().item()
+        kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)[0]
+        return (F.scaled_dot_product_attention(q, k, v) - kernel).abs().max().item()
     except Exception as exc:  # noqa: BLE001 - reported to the parent test
         return repr(exc)
 
@@ -302,18 +310,20 @@ def cp_evidence_problems(run: dict, seq_len: int, spec: MeshSpec, rank: int) -> 
     # The hooks must exist on the modules, not only in the report.
     live = run["live"]
     wanted_live = {
-        "": (1, 0),
-        "rope": (0, 1),
-        "transformer_blocks.0": (2, 0),  # hidden_states split + adaln_indices split
-        "norm_out": (1, 0),
-        "proj_out": (0, 1),
-        "audio_proj_out": (0, 1),
-        **{f"transformer_blocks.{i}": (1, 0) for i in range(1, NUM_BLOCKS)},
-        **dict.fromkeys(BLOCK_ATTN, (1, 1)),  # enter / exit of the SDPA router
+        "": (1, 0, False),  # the per-forward reset
+        "rope": (0, 1, False),
+        "transformer_blocks.0": (2, 0, False),  # hidden_states split + adaln_indices split
+        "norm_out": (1, 0, False),
+        "proj_out": (0, 1, False),
+        "audio_proj_out": (0, 1, False),
+        **{f"transformer_blocks.{i}": (1, 0, False) for i in range(1, NUM_BLOCKS)},
+        **dict.fromkeys(BLOCK_ATTN, (0, 0, True)),  # attention runs inside its router
     }
-    for name, (pre, post) in wanted_live.items():
-        if live[name][0] < pre or live[name][1] < post:
-            problems.append(f"{name} carries {live[name]} (pre, post) forward hooks, expected at least {(pre, post)}")
+    for name, (pre, post, routed) in wanted_live.items():
+        if live[name][0] < pre or live[name][1] < post or live[name][2] != routed:
+            problems.append(
+                f"{name} carries {live[name]} (pre, post forward hooks, routed), expected {(pre, post, routed)}"
+            )
 
     rows = math.ceil(seq_len / spec.cp)
     if run["rows"] != dict.fromkeys(BLOCK_ATTN, rows):
@@ -370,7 +380,7 @@ def test_report_and_live_hooks(request, mesh):
             assert cp_evidence_problems({**run, **run["by_len"][n]}, n, spec, rank) == [], (rank, n)
         for name in REFINER_ATTN:  # the text refiner attends over text only: never CP
             assert not run["hooks"].get(name), run["hooks"][name]
-            assert run["live"][name] == (0, 0)
+            assert run["live"][name] == (0, 0, False)
 
 
 @pytest.mark.parametrize("seq_len", SEQ_LENS)
@@ -490,53 +500,51 @@ def test_load_time_order_override(world4, checkpoints):
 
 # --------------------------------------------------------------------------------------------------
 # Neuron advice. Neuron's documented behaviour (the NKI flash kernel only for sequence lengths that are
-# multiples of 512), simulated on CPU: a CPState with neuron=True, the router called on one rank.
+# multiples of 512), simulated on CPU: a CPRuntime with neuron=True, its attention called on one rank.
 
 
-def _single_rank_state(seq_len: int, neuron: bool = True) -> CP.CPState:
-    groups = CPGroups(None, 1, 0, None, 1, 0)
-    return CP.CPState(groups=groups, cp_group=None, cp_order=[0], neuron=neuron, seq_len=seq_len)
+def _single_rank_runtime(seq_len: int, neuron: bool = True) -> CP.CPRuntime:
+    runtime = CP.CPRuntime(CPGroups(None, 1, 0, None, 1, 0), None, [0], neuron=neuron)
+    runtime.rows_for(seq_len, "hidden_states", "test")
+    return runtime
 
 
-def _route(state: CP.CPState, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _route(runtime: CP.CPRuntime, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(rows)
     q, k, v = (torch.randn(1, 2, rows, 8, generator=gen) for _ in range(3))
-    token = CP._ACTIVE_ATTENTION.set(("transformer_blocks.0.attn", state, []))
-    try:
-        out = CP.context_parallel_sdpa(q, k, v)
-    finally:
-        CP._ACTIVE_ATTENTION.reset(token)
+    out = runtime.attend("transformer_blocks.0.attn", q, k, v)
     return out, F.scaled_dot_product_attention(q, k, v)
 
 
 def test_neuron_router_advises_padding_simulated_on_cpu():
-    state = _single_rank_state(37)
+    runtime = _single_rank_runtime(37)
     with pytest.warns(UserWarning, match=r"37 is not a multiple of 512.*add 475 rows \(to 512\)") as caught:
-        out, want = _route(state, 37)
+        out, want = _route(runtime, 37)
     assert "trim" not in str(caught[0].message)
     torch.testing.assert_close(out, want)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # advised once per length
-        _route(state, 37)
+        _route(runtime, 37)
 
-    state = _single_rank_state(600)
+    runtime = _single_rank_runtime(600)
     with pytest.warns(UserWarning, match=r"add 424 rows \(to 1024\) or trim 88 rows \(to 512\)"):
-        _route(state, 600)
+        _route(runtime, 600)
 
 
 def test_neuron_router_silent_when_aligned_or_not_neuron():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _route(_single_rank_state(512), 512)
-        _route(_single_rank_state(37, neuron=False), 37)
+        _route(_single_rank_runtime(512), 512)
+        _route(_single_rank_runtime(37, neuron=False), 37)
 
 
 def test_neuron_advice_uses_ring_block_length():
     # With ring > 1 each ring step attends one block: that block's length is what the kernel sees.
     groups = CPGroups(object(), 2, 0, None, 1, 0)  # a stand-in ring group: nothing is communicated
-    state = CP.CPState(groups=groups, cp_group=None, cp_order=[0, 1], neuron=True, seq_len=1030)
+    runtime = CP.CPRuntime(groups, None, [0, 1], neuron=True)
+    layout = (CP.KeySequence(1030, 515),)
     with pytest.warns(UserWarning, match=r"length 515 .*add 509 rows \(to 1024\) or trim 3 rows \(to 512\)"):
-        CP._advise_neuron(state, 515)
+        runtime._advise_neuron(515, layout)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        CP._advise_neuron(state, 512)
+        runtime._advise_neuron(512, layout)

@@ -102,10 +102,25 @@ def _data(case: Case, replica: int) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return tuple(torch.randn(2, case.heads, case.seq_len, 8, generator=gen) for _ in range(3))
 
 
+def _math_path_forbidden(*args: Any, **kwargs: Any) -> Any:
+    raise AssertionError("the float32 math path ran where a fused kernel should have")
+
+
 def _worker(rank: int, world: int) -> dict[str, dict[str, Any]]:
     groups = _build_groups(rank)
+    # Ring steps must run on the fused LSE kernel: count its calls (key rows of each block), forbid the math path.
+    kernel_blocks: list[int] = []
+    fused = CPA.block_attention_with_lse
+
+    def counting_kernel(q, k, v, scale):
+        kernel_blocks.append(k.shape[2])
+        return fused(q, k, v, scale)
+
+    CPA.block_attention_with_lse = counting_kernel
+    CPA._attention_f32 = _math_path_forbidden
     out = {}
     for case in CASES:
+        kernel_blocks.clear()
         g = groups[(case.ring, case.ulysses)]
         replica = rank // case.cp
         q, k, v = _data(case, replica)
@@ -128,15 +143,16 @@ def _worker(rank: int, world: int) -> dict[str, dict[str, Any]]:
             got = CPA.cp_attention(
                 ql, kl, vl, groups=g, seq_len=case.seq_len, scale=case.scale, local_attention=counting_sdpa
             )
+        blocks_seen = list(kernel_blocks)
         unmasked = CPA._cp_attention(
             ql,
             kl,
             vl,
             groups=g,
-            seq_len=case.seq_len,
+            layout=(CPA.KeySequence(case.seq_len, case.s_local),),
             scale=case.scale,
             local_attention=None,
-            mask_padding=False,
+            drop_padding=False,
         )
         # the rows the test gathers: all real rows of this replica, assembled in cp-rank order
         cp_ranks = [replica * case.cp + i for i in range(case.cp)]
@@ -152,6 +168,7 @@ def _worker(rank: int, world: int) -> dict[str, dict[str, Any]]:
             "ops": checker.ops(),
             "violations": list(checker.violations),
             "sdpa_key_lens": sdpa_calls,
+            "kernel_blocks": blocks_seen,
         }
     return out
 
@@ -189,6 +206,21 @@ def test_local_attention_used_without_ring(results: list[dict[str, dict[str, Any
         assert lens == ([case.seq_len] if case.ring == 1 else [])
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c.ring > 1], ids=lambda c: c.name)
+def test_ring_blocks_run_on_the_fused_kernel(results: list[dict[str, dict[str, Any]]], case: Case) -> None:
+    """Each ring step with a real key calls the LSE kernel once, over that block's real keys only (the math path
+    is forbidden in the ranks); a block that is all padding is skipped."""
+    for rank, res in enumerate(results):
+        ring_rank = (rank % case.cp) // case.ulysses
+        want = []
+        for step in range(case.ring):
+            src = (ring_rank - step) % case.ring
+            lo = src * case.ulysses * case.s_local  # the block holds the rows of cp ranks src*U .. src*U+U-1
+            real = max(0, min(case.ulysses * case.s_local, case.seq_len - lo))
+            want += [real] if real else []
+        assert res[case.name]["kernel_blocks"] == want, (rank, res[case.name]["kernel_blocks"], want)
+
+
 @pytest.mark.parametrize("case", [c for c in CASES if c.s_local * c.cp > c.seq_len], ids=lambda c: c.name)
 def test_unmasked_padding_is_wrong(results: list[dict[str, dict[str, Any]]], case: Case) -> None:
     """Negative control: letting the zero pad keys into the softmax changes real rows, so the mask matters."""
@@ -211,6 +243,19 @@ def test_attention_with_lse_matches_sdpa_and_merges() -> None:
     merged, merged_lse = CPA._merge(a[0], a[1], b[0], b[1])
     torch.testing.assert_close(merged, out, atol=1e-6, rtol=0)
     torch.testing.assert_close(merged_lse, lse)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_block_kernel_matches_the_math_path(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 3, 7, 16, generator=gen).to(dtype)
+    k, v = (torch.randn(2, 3, 11, 16, generator=gen).to(dtype) for _ in range(2))
+    out, lse = CPA.block_attention_with_lse(q, k, v, 0.3)
+    want, want_lse = CPA.attention_with_lse(q.float(), k.float(), v.float(), None, 0.3)
+    assert lse.dtype == torch.float32 and lse.shape == (2, 3, 7)
+    tol = 1e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), want, atol=tol, rtol=0)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=0)
 
 
 def test_all_padding_block_gives_no_nan() -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from preshard.errors import (
+    CheckpointFileMissingError,
+    CheckpointNotFoundError,
     ChecksumMismatch,
     CorruptCheckpointError,
     DeviceError,
@@ -12,9 +14,16 @@ from preshard.errors import (
     Interrupted,
     MismatchError,
     OutputError,
+    OutputExistsError,
+    OutputLockedError,
+    OutputPermissionError,
     PlanError,
     PreshardError,
+    ResourceError,
+    SourceAccessError,
     SourceError,
+    SourceNotFoundError,
+    SourceUnreachableError,
     UsageError,
     WorkerError,
 )
@@ -28,6 +37,8 @@ if TYPE_CHECKING:
     from preshard.tools.verify import VerifyResult, verify_checkpoint
 
 __all__ = [
+    "CheckpointFileMissingError",
+    "CheckpointNotFoundError",
     "ChecksumMismatch",
     "CorruptCheckpointError",
     "DeviceError",
@@ -37,10 +48,17 @@ __all__ = [
     "MeshSpec",
     "MismatchError",
     "OutputError",
+    "OutputExistsError",
+    "OutputLockedError",
+    "OutputPermissionError",
     "Plan",
     "PlanError",
     "PreshardError",
+    "ResourceError",
+    "SourceAccessError",
     "SourceError",
+    "SourceNotFoundError",
+    "SourceUnreachableError",
     "UsageError",
     "VerifyResult",
     "WorkerError",

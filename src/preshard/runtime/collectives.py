@@ -16,6 +16,12 @@ the axis in one global order. Those replica groups come from `check_backend_supp
 calls once after building the mesh's groups; it also refuses, in one line, a mesh the backend cannot run
 (PJRT CPU across processes, torch_xla seeing another world size, Neuron's all-to-all over strided ranks).
 A collective over a group it was not told about raises rather than guess. Untested on TPU/GPU/Neuron.
+
+Elsewhere (gloo, nccl) every collective is one of torch's functional collectives (`torch.ops._c10d_functional`):
+an op that returns a new tensor and a `wait_tensor` that completes it. torch.compile traces them into the graph
+(no graph break), and eager mode runs the same ops, so both paths share one implementation. The ring pass is
+an all-to-all whose only non-empty chunk goes to the next rank: the functional point-to-point ops exist in
+recent torch, but inductor deadlocked on them here, and an all-to-all traces on every supported torch version.
 """
 
 from __future__ import annotations
@@ -27,12 +33,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from preshard.errors import DeviceError
+from preshard.errors import CollectiveRuleViolation, DeviceError
 
 __all__ = [
     "CollectiveCall",
     "CollectiveRuleViolation",
     "NeuronRuleChecker",
+    "all_gather_bytes",
     "all_gather_cat",
     "all_gather_equal",
     "all_reduce_sum",
@@ -45,12 +52,23 @@ __all__ = [
 ]
 
 _MAX_SHAPE_DIMS = 15
-# torch >= 2.10 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
-_ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-class CollectiveRuleViolation(RuntimeError):
-    """A collective that Neuron/XLA would reject (or hang on), caught before it is issued."""
+def _functional():
+    """torch's functional collective ops (registered when torch.distributed's functional module is imported)."""
+    import torch.distributed._functional_collectives  # noqa: F401  (registers the ops and their fake kernels)
+
+    return torch.ops._c10d_functional
+
+
+def _group_name(group: ProcessGroup | None) -> str:
+    from torch.distributed._functional_collectives import _resolve_group_name
+
+    return _resolve_group_name(group if group is not None else dist.group.WORLD)
+
+
+def _wait(tensor: torch.Tensor) -> torch.Tensor:
+    return _functional().wait_tensor(tensor)
 
 
 @dataclass(frozen=True)
@@ -111,7 +129,7 @@ def _violation(rule: str, op: str, ranks: list[int], detail: str) -> CollectiveR
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    """Sum `tensor` over the group, in place; returns it."""
+    """The sum of `tensor` over the group (use the return value: `tensor` itself may or may not be updated)."""
     ranks = group_ranks(group)
     if _ACTIVE is not None:
         _ACTIVE._record("all_reduce_sum", ranks, tensor)
@@ -121,7 +139,7 @@ def all_reduce_sum(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Te
             # The list form reduces in place.
             xm.all_reduce(xm.REDUCE_SUM, [tensor], groups=_replica_groups(ranks, "all_reduce_sum"), pin_layout=False)
         else:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+            tensor = _wait(_functional().all_reduce(tensor, "sum", _group_name(group)))
     return tensor
 
 
@@ -157,8 +175,30 @@ def _gather_dim0(moved: torch.Tensor, group: ProcessGroup | None, ranks: list[in
         # XLA concatenates in the order the replica group lists its members, which is group-rank order.
         groups = _replica_groups(ranks, op)
         return _xla_model().all_gather(moved, dim=0, groups=groups, pin_layout=False)
-    out = moved.new_empty((len(ranks) * moved.shape[0], *moved.shape[1:]))
-    _ALL_GATHER_SINGLE(out, moved, group=group)
+    return _wait(_functional().all_gather_into_tensor(moved, len(ranks), _group_name(group)))
+
+
+def all_gather_bytes(data: bytes, size: int, device: torch.device, group: ProcessGroup | None = None) -> list[bytes]:
+    """Every group rank's `data` (at most `size` bytes), in group-rank order.
+
+    One fixed-size all-gather of a uint8 tensor on `device` (NCCL and XLA need device tensors, Neuron and XLA equal
+    sizes), so it runs wherever the model's collectives run.
+    """
+    if len(data) > size:
+        raise ValueError(f"all_gather_bytes: {len(data)} bytes do not fit in {size}")
+    ranks = group_ranks(group)
+    if len(ranks) == 1:
+        return [bytes(data)]
+    buffer = torch.zeros(8 + size, dtype=torch.uint8)
+    buffer[:8] = torch.frombuffer(bytearray(len(data).to_bytes(8, "little")), dtype=torch.uint8)
+    if data:
+        buffer[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    gathered = all_gather_cat(buffer.to(device).unsqueeze(0), group, 0).cpu()
+    out = []
+    for row in gathered:
+        raw = row.numpy().tobytes()
+        length = min(int.from_bytes(raw[:8], "little"), size)
+        out.append(raw[8 : 8 + length])
     return out
 
 
@@ -183,54 +223,54 @@ def all_to_all_equal(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.
         # torch_xla's all_to_all_single ignores the group (it splits over the whole world): call XLA directly.
         groups = _replica_groups(ranks, "all_to_all_equal")
         return _xla_model().all_to_all(tensor, 0, 0, len(ranks), groups=groups, pin_layout=False)
-    out = torch.empty_like(tensor)
-    dist.all_to_all_single(out, tensor, group=group)
-    return out
+    splits = [tensor.shape[0] // len(ranks)] * len(ranks)
+    return _wait(_functional().all_to_all_single(tensor, splits, splits, _group_name(group)))
 
 
 class PendingRingPass:
-    """A ring pass in flight: `wait()` returns the tensor received from the previous rank."""
+    """A ring pass in flight: `wait()` returns the tensor received from the previous rank.
 
-    def __init__(self, out: torch.Tensor, requests: list, keep_alive: torch.Tensor) -> None:
+    The wait is a separate op (`wait_tensor`), so work issued between the pass and `wait()` overlaps it, in
+    eager mode and in a compiled graph alike.
+    """
+
+    def __init__(self, out: torch.Tensor, pending: bool, shape: torch.Size | None = None) -> None:
         self._out = out
-        self._requests = requests
-        self._keep_alive = keep_alive  # the send buffer must outlive the send
+        self._pending = pending
+        self._shape = shape
 
     def wait(self) -> torch.Tensor:
-        for req in self._requests:
-            req.wait()
-        self._requests = []
+        if self._pending:
+            self._out, self._pending = _wait(self._out), False
+            if self._shape is not None:
+                self._out = self._out.view(self._shape)
         return self._out
 
 
 def ring_pass_async(tensor: torch.Tensor, group: ProcessGroup | None) -> PendingRingPass:
     """Start sending `tensor` to the next group rank (wrapping) and receiving the previous rank's.
 
-    Async so ring attention can compute on the current block while the next one is in flight.
+    Async so ring attention can compute on the current block while the next one is in flight. Every rank
+    sends the same shape.
     """
     ranks = group_ranks(group)
     if _ACTIVE is not None:
         _ACTIVE._record("ring_pass", ranks, tensor)
     n = len(ranks)
     if n == 1:
-        return PendingRingPass(tensor, [], tensor)
+        return PendingRingPass(tensor, False)
     if _is_xla(group):
         # One collective_permute for every ring of the axis, pairs in one global order, the same on every
         # rank (torch_xla's batch_isend_irecv would issue a permute per pair, in a rank-dependent order).
         rings = _replica_groups(ranks, "ring_pass")
         pairs = [[ring[i], ring[(i + 1) % len(ring)]] for ring in rings for i in range(len(ring))]
-        out = _xla_model().collective_permute(tensor.contiguous(), pairs=pairs)
-        return PendingRingPass(out, [], tensor)
-    me = dist.get_rank(group)
-    send_to = dist.get_global_rank(group, (me + 1) % n)
-    recv_from = dist.get_global_rank(group, (me - 1) % n)
-    tensor = tensor.contiguous()
-    out = torch.empty_like(tensor)
-    ops = [
-        dist.P2POp(dist.isend, tensor, send_to, group=group),
-        dist.P2POp(dist.irecv, out, recv_from, group=group),
-    ]
-    return PendingRingPass(out, dist.batch_isend_irecv(ops), tensor)
+        return PendingRingPass(_xla_model().collective_permute(tensor.contiguous(), pairs=pairs), False)
+    me = ranks.index(dist.get_rank())
+    flat = tensor.reshape(-1)
+    send, recv = [0] * n, [0] * n
+    send[(me + 1) % n] = recv[(me - 1) % n] = flat.numel()
+    out = _functional().all_to_all_single(flat.contiguous(), recv, send, _group_name(group))
+    return PendingRingPass(out, True, tensor.shape)
 
 
 def ring_pass(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:

@@ -1,10 +1,32 @@
-"""Context parallelism: split the sequence where the CP plan says, attend across ranks, gather at the end.
+"""Context parallelism: split the sequences where the CP plan says, attend across ranks, gather at the end.
 
 Every rank receives the same full inputs. Forward hooks split the planned inputs/outputs along the
-sequence (padded to a multiple of the CP size: collectives are always equal-sized), the model's own
-attention call (`torch.nn.functional.scaled_dot_product_attention`, as diffusers' native backend
-issues it) is routed to Ulysses / ring attention while a planned attention module runs, and the
-planned outputs are all-gathered and trimmed back to the real length.
+sequence, the attention of the planned attention modules runs across the CP group (Ulysses / ring, in
+`cp_attention`), and the planned outputs are all-gathered and trimmed back to their real length.
+
+Any length, several sequences. Each sequence a forward splits (Flux: text and image; LTX-2: video and
+audio) is padded to a multiple of the CP size on its own, so every collective is equal-sized (the
+Neuron/XLA rule). A sequence is known by its real length; its rows per rank are kept distinct from every
+other sequence's (one more row of padding where two would coincide), so a tensor's rows name its sequence:
+the gather trims to that sequence's length and attention finds which of its key rows are padding and
+drops them. Where a model joins several sequences for one attention (Flux's text + image), the plan's
+`cp_join_order` says in which order; with padding, CP needs it.
+
+Routing attention, and why this way. State lives on the modules: a `CPRuntime` on the model (mesh place
+and this forward's sequence table, reset by a root pre-hook), a `_CPAttentionRouter` on each planned
+attention module. The module's class is switched to a subclass (as TP does for Linear) whose forward runs
+the original one inside its router, a `TorchFunctionMode` that sends that module's calls of
+`torch.nn.functional.scaled_dot_product_attention` to `cp_attention` and passes everything else through.
+This was chosen over the alternatives diffusers 0.42.1 offers: processors call
+`dispatch_attention_fn(..., backend=self._attention_backend, parallel_config=self._parallel_config)`, whose
+backends are a closed enum in a process-wide registry (registering one is process-wide state) and whose
+`parallel_config` path is diffusers' own CP on a DeviceMesh, with ragged all-gathers for uneven lengths
+and none of preshard's collectives; wrapping each processor would be undone by `set_attn_processor`; a
+custom op would hide the collectives from the graph. A mode entered by the module's own forward is scoped
+to that call and thread, patches nothing, survives `set_attn_processor` and `set_attention_backend("native")`
+(anything that still calls SDPA), and torch.compile traces it with no graph break. The collectives are
+torch's functional collectives (`collectives`), traced into the graph. A backend that does not call SDPA
+(flash-attn, sage, diffusers' own `enable_parallelism`) is refused in one line before it runs.
 
 The CP plan is plain data (module pattern -> what to split or gather). It comes from the preshard
 plan's `cp_plan` if given, else from the model class's own `_cp_plan` (diffusers declares one).
@@ -12,25 +34,31 @@ plan's `cp_plan` if given, else from the model class's own `_cp_plan` (diffusers
 
 from __future__ import annotations
 
-import contextvars
 import inspect
 import math
 import warnings
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
+from itertools import combinations
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
-from preshard.errors import PlanError, PreshardError
+from preshard.errors import PlanError, UsageError
 from preshard.format.plan import CPEntry, Plan, SeqDim, matches
-from preshard.plans.from_model import cp_plan_from_diffusers
+from preshard.plans.from_model import DIFFUSERS_CP_JOIN_ORDER, cp_plan_from_diffusers
 from preshard.runtime import collectives
-from preshard.runtime.cp_attention import CPGroups, cp_attention, neuron_flash_advice
+from preshard.runtime.cp_attention import CPGroups, KeySequence, cp_attention, neuron_flash_advice
 from preshard.runtime.devices import RankDevice
 from preshard.runtime.groups import MeshGroups
 from preshard.runtime.report import LoadReport
+
+_SDPA = F.scaled_dot_product_attention
+# diffusers attention backends that compute through torch's SDPA (so the router sees them).
+_SDPA_BACKENDS = {"native", "_native_flash", "_native_efficient", "_native_math"}
+_MAX_EXTRA_ROWS = 64  # bound on the padding added to keep two sequences' rows per rank apart
 
 # ---------------------------------------------------------------- the plan
 
@@ -48,80 +76,323 @@ def resolve_cp_plan(model: nn.Module, plan: Plan) -> dict[str, CPEntry]:
     )
 
 
-# ---------------------------------------------------------------- per-forward state
+def resolve_join_order(model: nn.Module, plan: Plan, cp_plan: dict[str, CPEntry]) -> tuple[str, ...]:
+    """The order in which the model joins split sequences: the plan's, else the one preshard knows for the class."""
+    order = plan.cp_join_order or DIFFUSERS_CP_JOIN_ORDER.get(type(model).__name__) or ()
+    split = {arg for entry in cp_plan.values() for arg in entry.split_inputs}
+    missing = [arg for arg in order if arg not in split]
+    if missing:
+        raise PlanError(f"cp_join_order names {missing}, which the CP plan of {type(model).__name__} does not split")
+    return tuple(order)
 
 
-@dataclass
-class CPState:
-    """What one forward pass has learned: the real sequence length, and what attention saw."""
+# ---------------------------------------------------------------- per-model runtime state
 
-    groups: CPGroups
-    cp_group: Any
-    cp_order: list[int]  # cp rank of each member of the cp group, in group-rank order
-    neuron: bool = False
-    seq_len: int | None = None
-    padded: bool = False  # the one split length was padded up to a multiple of the CP size
-    attention_rows: dict[str, int] = field(default_factory=dict)
-    advised: set[int] = field(default_factory=set)
+
+class CPRuntime:
+    """This rank's CP place, and what the current forward pass has split: lives on the model (`_preshard_cp`).
+
+    `sequences` maps each split sequence's real length to its rows per rank; `named` maps split input names to
+    their sequence's length. Both are reset by the root module's pre-hook at the start of every forward.
+    """
+
+    def __init__(
+        self,
+        groups: CPGroups,
+        cp_group: Any,
+        cp_order: list[int],
+        *,
+        neuron: bool = False,
+        join_order: tuple[str, ...] = (),
+    ) -> None:
+        self.groups = groups
+        self.cp_group = cp_group
+        self.cp_order = cp_order  # cp rank of each member of the cp group, in group-rank order
+        self.in_order = cp_order == sorted(cp_order)
+        self.neuron = neuron
+        self.join_order = join_order
+        self.advised: set[int] = set()
+        self.sequences: dict[int, int] = {}
+        self.named: dict[str, int] = {}
 
     @property
     def cp_size(self) -> int:
         return self.groups.cp_size
 
-    def local_rows(self, length: int) -> int:
-        return math.ceil(length / self.cp_size)
+    def begin_forward(self) -> None:
+        self.sequences = {}
+        self.named = {}
 
-    def note_length(self, length: int, where: str) -> None:
-        """Padding works for one sequence per forward; several (Flux's text and image) must each divide evenly."""
-        if self.seq_len is None:
-            self.seq_len, self.padded = length, length % self.cp_size != 0
-        elif self.seq_len != length and (self.padded or length % self.cp_size):
-            raise PreshardError(
-                f"context parallel: {where} has sequence length {length}, and this forward pass split {self.seq_len} "
-                f"rows earlier; when sequences of different lengths are split, each must be a multiple of the CP "
-                f"size {self.cp_size}: pad the inputs"
+    # -- sequences
+
+    def rows_for(self, length: int, name: str | None, where: str) -> int:
+        """Rows per rank of the sequence of `length` real rows: the same for every split of it in this forward."""
+        if name is not None and name in self.named and self.named[name] != length:
+            raise UsageError(
+                f"context parallel: {where} has {length} rows, but {name} had {self.named[name]} earlier in this "
+                "forward pass; a split input must keep its length through a forward"
+            )
+        if length not in self.sequences:
+            rows = math.ceil(length / self.cp_size)
+            named = {**self.named, name: length} if name is not None else self.named
+            for _ in range(_MAX_EXTRA_ROWS):
+                if not self._ambiguous({**self.sequences, length: rows}, named):
+                    break
+                rows += 1
+            else:  # pragma: no cover - needs dozens of sequences of nearly one length
+                raise UsageError(f"context parallel: {where}: cannot keep {len(self.sequences) + 1} sequences apart")
+            self.sequences[length] = rows
+        if name is not None:
+            self.named[name] = length
+        return self.sequences[length]
+
+    def _candidates(self, sequences: dict[int, int], named: dict[str, int]) -> list[tuple[int, ...]]:
+        """Every layout a key block can have: one sequence, or a run of the join order (real lengths, in order)."""
+        found: list[tuple[int, ...]] = [(length,) for length in sequences]
+        joined = [named[arg] for arg in self.join_order if arg in named]
+        for size in range(2, len(joined) + 1):
+            found += [tuple(joined[i : i + size]) for i in range(len(joined) - size + 1)]
+        return found
+
+    def _ambiguous(self, sequences: dict[int, int], named: dict[str, int]) -> bool:
+        sums: dict[int, tuple[int, ...]] = {}
+        for layout in self._candidates(sequences, named):
+            rows = sum(sequences[length] for length in layout)
+            if sums.setdefault(rows, layout) != layout:
+                return True
+        return False
+
+    def padded(self) -> bool:
+        return any(rows * self.cp_size != length for length, rows in self.sequences.items())
+
+    def key_layout(self, key_rows: int, where: str) -> tuple[KeySequence, ...]:
+        """Which split sequences, in which order, make up a local key block of `key_rows` rows."""
+        if not self.padded():  # every row of every sequence is real, however they are joined
+            return (KeySequence(key_rows * self.cp_size, key_rows),)
+        hits = [
+            layout
+            for layout in self._candidates(self.sequences, self.named)
+            if sum(self.sequences[length] for length in layout) == key_rows
+        ]
+        if len(hits) == 1:
+            return tuple(KeySequence(length, self.sequences[length]) for length in hits[0])
+        c = self.cp_size
+        lengths = sorted(self.sequences)
+        joinable = [
+            combo
+            for size in range(2, len(lengths) + 1)
+            for combo in combinations(lengths, size)
+            if sum(self.sequences[x] for x in combo) == key_rows
+        ]
+        if joinable:
+            parts = " and ".join(f"{x} tokens" for x in joinable[0])
+            raise UsageError(
+                f"context parallel: {where} attends over sequences of {parts} joined, which are not multiples of "
+                f"the CP size {c}, and the plan does not say in which order the model joins them; choose sizes "
+                f"whose token counts divide by {c} (in a pipeline: height/width/num_frames for the image or video "
+                f"tokens, max_sequence_length for the text), or add cp_join_order to the plan"
+            )
+        seen = ", ".join(f"{length} tokens ({rows} per rank)" for length, rows in sorted(self.sequences.items()))
+        raise PlanError(
+            f"context parallel: {where} attends over {key_rows} key rows per rank, which is none of the sequences "
+            f"this forward split ({seen}); if its keys are not split (cross-attention to the whole text), mark it "
+            "context_parallel: false in the plan"
+        )
+
+    # -- split and gather
+
+    def split(self, x: Any, spec: SeqDim, where: str, name: str | None = None) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise UsageError(f"context parallel: {where} is {type(x).__name__}, not a tensor the CP plan can split")
+        if spec.expected_dims is not None and x.dim() != spec.expected_dims:
+            # As diffusers reads its `_cp_plan`: the split applies to tensors of that many dims only (Wan splits its
+            # timestep when it is per token, `[B, S]`, and leaves the usual `[B]` whole).
+            return x
+        dim = spec.dim % x.dim()
+        length = x.shape[dim]
+        if length < 1:
+            raise UsageError(f"context parallel: {where} is empty along the sequence dimension {dim}")
+        rows = self.rows_for(length, name, where)
+        padded = rows * self.cp_size
+        if padded != length:
+            x = F.pad(x, [0, 0] * (x.dim() - 1 - dim) + [0, padded - length])
+        return x.narrow(dim, self.groups.cp_rank * rows, rows)
+
+    def gather(self, x: Any, dim: int, where: str) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise PlanError(f"context parallel: output of {where} is {type(x).__name__}, not a tensor to gather")
+        if not self.sequences:
+            raise PlanError(f"context parallel: {where} gathers a sequence that was never split in this forward")
+        dim = dim % x.dim()
+        rows = x.shape[dim]
+        lengths = [length for length, r in self.sequences.items() if r == rows]
+        if not lengths:
+            seen = ", ".join(f"{length} tokens ({r} per rank)" for length, r in sorted(self.sequences.items()))
+            raise PlanError(
+                f"context parallel: {where} gathers {rows} rows per rank, which is none of the sequences this "
+                f"forward split ({seen})"
+            )
+        full = collectives.all_gather_cat(x.contiguous(), self.cp_group, dim)
+        if not self.in_order:
+            # Group ranks follow global ranks; the sequence follows cp ranks. Put the chunks in sequence order.
+            pieces = full.split(rows, dim)
+            full = torch.cat([pieces[self.cp_order.index(c)] for c in range(len(pieces))], dim)
+        return full.narrow(dim, 0, lengths[0]) if lengths[0] != full.shape[dim] else full
+
+    # -- attention
+
+    def attend(
+        self,
+        name: str,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> torch.Tensor:
+        """`scaled_dot_product_attention`'s signature, computed across the CP group."""
+        if attn_mask is not None or is_causal or dropout_p or enable_gqa:
+            raise UsageError(
+                f"context parallel: {name} asked for an attention mask, causal attention, dropout or GQA, "
+                "which preshard's CP attention does not support"
+            )
+        if not self.sequences:
+            raise PlanError(f"context parallel: {name} ran before the CP plan split the sequence")
+        layout = self.key_layout(key.shape[2], name)
+        if self.neuron:
+            self._advise_neuron(key.shape[2] * self.groups.ulysses_size, layout)
+        return cp_attention(query, key, value, groups=self.groups, key_layout=layout, scale=scale)
+
+    def _advise_neuron(self, block_len: int, layout: tuple[KeySequence, ...]) -> None:
+        length = sum(s.length for s in layout) if self.groups.ring_size == 1 else block_len
+        advice = neuron_flash_advice(length)
+        if advice and length not in self.advised:
+            self.advised.add(length)
+            warnings.warn(advice, stacklevel=3)
+
+
+# ---------------------------------------------------------------- attention routing
+
+
+class _CPAttentionRouter(TorchFunctionMode):
+    """While its attention module runs: SDPA goes to `CPRuntime.attend`, every other torch call passes through."""
+
+    def __init__(self, runtime: CPRuntime, name: str) -> None:
+        super().__init__()
+        self.runtime = runtime
+        self.name = name
+        self.calls = 0
+        self.rows: int | None = None  # query rows of the last call (for the load report)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _SDPA:
+            self.calls += 1
+            self.rows = (args[0] if args else kwargs["query"]).shape[2]
+            return self.runtime.attend(self.name, *args, **kwargs)
+        if (
+            getattr(func, "__module__", None) == "torch._tensor"
+            and args
+            and isinstance(args[0], torch.Tensor)
+            and getattr(type(args[0]), getattr(func, "__name__", ""), None) is func
+        ):
+            # A Tensor method written in Python (unflatten, split, ...): call it as a method. Called as a plain
+            # function, dynamo inlines it and stops at its `super()` call (a graph break under the mode).
+            return getattr(args[0], func.__name__)(*args[1:], **kwargs)
+        return func(*args, **kwargs)
+
+    def refuse_other_backends(self, module: nn.Module) -> None:
+        """What a pipeline may have set on the module's processor that would bypass SDPA, refused in one line."""
+        processor = getattr(module, "processor", None)
+        if getattr(processor, "_parallel_config", None) is not None:
+            raise UsageError(
+                f"context parallel: {self.name} has diffusers' own context parallelism enabled (enable_parallelism); "
+                "a model loaded by preshard is already context parallel: drop the enable_parallelism call"
+            )
+        backend = getattr(processor, "_attention_backend", None)
+        backend = getattr(backend, "value", backend)
+        if backend is not None and str(backend) not in _SDPA_BACKENDS:
+            raise UsageError(
+                f"context parallel: {self.name} uses the attention backend {str(backend)!r}, which preshard cannot "
+                "run across ranks; use model.set_attention_backend('native') (or model.reset_attention_backend())"
             )
 
-    def attention_length(self, local_rows: int) -> int:
-        """The real length of the sequence an attention call sees (padding is cut only when there is one)."""
-        return self.seq_len if self.padded else local_rows * self.cp_size
+
+class _RoutedAttention(nn.Module):
+    """Mixin placed before an attention module's own class: its forward runs inside the module's router."""
+
+    _preshard_cp_router: _CPAttentionRouter
+
+    def forward(self, *args, **kwargs):
+        router = self._preshard_cp_router
+        router.refuse_other_backends(self)
+        router.calls = 0
+        with router:
+            out = super().forward(*args, **kwargs)
+        if router.calls == 0:
+            raise UsageError(
+                f"context parallel: {router.name} did not call torch.nn.functional.scaled_dot_product_attention "
+                f"(its processor is {type(getattr(self, 'processor', None)).__name__}), so its sequence could not be "
+                "attended across ranks; use diffusers' native attention backend and the module's default processor"
+            )
+        return out
 
 
-_ACTIVE_ATTENTION: contextvars.ContextVar[tuple[str, CPState, list[int]] | None] = contextvars.ContextVar(
-    "preshard_cp_attention", default=None
-)
-_ORIGINAL_SDPA = F.scaled_dot_product_attention
+_ROUTED_CLASSES: dict[type, type] = {}  # one routed subclass per attention class (a class cache, not state)
 
 
-def _split_tensor(state: CPState, x: Any, dim: int, expected_dims: int | None, where: str) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise PreshardError(f"context parallel: {where} is {type(x).__name__}, not a tensor the CP plan can split")
-    if expected_dims is not None and x.dim() != expected_dims:
-        raise PreshardError(f"context parallel: {where} has {x.dim()} dims, the CP plan expects {expected_dims}")
-    dim = dim % x.dim()
-    length = x.shape[dim]
-    state.note_length(length, where)
-    rows = state.local_rows(length)
-    padded = rows * state.cp_size
-    if padded != length:
-        pad = [0, 0] * (x.dim() - 1 - dim) + [0, padded - length]
-        x = F.pad(x, pad)
-    return x.narrow(dim, state.groups.cp_rank * rows, rows)
+def route_attention(module: nn.Module, runtime: CPRuntime, name: str) -> None:
+    """Run `module`'s SDPA calls across the CP group: switch it to a routed subclass carrying its router."""
+    cls = type(module)
+    if not issubclass(cls, _RoutedAttention):
+        routed = _ROUTED_CLASSES.get(cls)
+        if routed is None:
+            routed = type(cls.__name__, (_RoutedAttention, cls), {"__module__": cls.__module__})
+            _ROUTED_CLASSES[cls] = routed
+        module.__class__ = routed
+    module._preshard_cp_router = _CPAttentionRouter(runtime, name)
 
 
-def _gather_tensor(state: CPState, x: Any, dim: int, where: str) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise PreshardError(f"context parallel: output of {where} is {type(x).__name__}, not a tensor to gather")
-    if state.seq_len is None:
-        raise PreshardError(f"context parallel: {where} gathers a sequence that was never split in this forward")
-    dim = dim % x.dim()
-    full = collectives.all_gather_cat(x.contiguous(), state.cp_group, dim)
-    if state.cp_order != sorted(state.cp_order):
-        # Group ranks follow global ranks; the sequence follows cp ranks. Put the chunks in sequence order.
-        rows = x.shape[dim]
-        pieces = full.split(rows, dim)
-        full = torch.cat([pieces[state.cp_order.index(c)] for c in range(len(pieces))], dim)
-    return full.narrow(dim, 0, state.seq_len) if state.padded else full
+def unroute_attention(module: nn.Module) -> None:
+    """Back to the module's own class (for negative controls: attention then stays local)."""
+    cls = type(module)
+    if issubclass(cls, _RoutedAttention):
+        module.__class__ = next(c for c in cls.__mro__[1:] if not issubclass(c, _RoutedAttention))
+        del module._preshard_cp_router
+
+
+def is_routed(module: nn.Module) -> bool:
+    return isinstance(module, _RoutedAttention)
+
+
+class AttentionRows(Mapping):
+    """`report.attention_rows`: the query rows each routed attention module saw in its last call.
+
+    Read from the routers rather than written into a dict by the forward, so a compiled graph neither guards
+    on nor replays the report.
+    """
+
+    def __init__(self, routers: dict[str, _CPAttentionRouter]) -> None:
+        self._routers = routers
+
+    def __getitem__(self, name: str) -> int:
+        rows = self._routers[name].rows
+        if rows is None:
+            raise KeyError(name)
+        return rows
+
+    def __iter__(self) -> Iterator[str]:
+        return (name for name, router in self._routers.items() if router.rows is not None)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def clear(self) -> None:
+        for router in self._routers.values():
+            router.rows = None
 
 
 # ---------------------------------------------------------------- hooks
@@ -132,113 +403,45 @@ def _argument_positions(module: nn.Module) -> dict[str, int]:
     return {name: i for i, name in enumerate(params)}
 
 
-def _split_inputs_hook(state: CPState, name: str, specs: dict[str, SeqDim], positions: dict[str, int]):
+def _split_inputs_hook(runtime: CPRuntime, name: str, specs: dict[str, SeqDim], positions: dict[str, int]):
     def hook(module, args, kwargs):
         args = list(args)
         for arg, spec in specs.items():
             where = f"{name or type(module).__name__}({arg})"
             if kwargs.get(arg) is not None:
-                kwargs[arg] = _split_tensor(state, kwargs[arg], spec.dim, spec.expected_dims, where)
+                kwargs[arg] = runtime.split(kwargs[arg], spec, where, arg)
             elif arg in positions and positions[arg] < len(args) and args[positions[arg]] is not None:
                 i = positions[arg]
-                args[i] = _split_tensor(state, args[i], spec.dim, spec.expected_dims, where)
+                args[i] = runtime.split(args[i], spec, where, arg)
             # else: not passed (or None), so there is nothing of it to split
         return tuple(args), kwargs
 
     return hook
 
 
-def _split_outputs_hook(state: CPState, name: str, specs: dict[int, SeqDim]):
+def _split_outputs_hook(runtime: CPRuntime, name: str, specs: dict[int, SeqDim]):
     def hook(module, args, output):
         single = not isinstance(output, (tuple, list))
         items = [output] if single else list(output)
         for i, spec in specs.items():
-            items[i] = _split_tensor(state, items[i], spec.dim, spec.expected_dims, f"{name} output {i}")
+            items[i] = runtime.split(items[i], spec, f"{name} output {i}")
         return items[0] if single else type(output)(items)
 
     return hook
 
 
-def _gather_hook(state: CPState, name: str, spec: SeqDim):
+def _gather_hook(runtime: CPRuntime, name: str, spec: SeqDim):
     def hook(module, args, output):
-        return _gather_tensor(state, output, spec.dim, name)
+        return runtime.gather(output, spec.dim, name)
 
     return hook
 
 
-def _reset_hook(state: CPState):
+def _begin_forward_hook(runtime: CPRuntime):
     def hook(module, args):
-        state.seq_len, state.padded = None, False
-        _ACTIVE_ATTENTION.set(None)  # in case an earlier forward raised inside an attention module
+        runtime.begin_forward()
 
     return hook
-
-
-def _attention_enter(state: CPState, name: str):
-    def hook(module, args):
-        calls: list[int] = []
-        module._preshard_cp_token = _ACTIVE_ATTENTION.set((name, state, calls))
-
-    return hook
-
-
-def _attention_exit(state: CPState, name: str):
-    def hook(module, args, output):
-        # always_call: also runs when the forward raised (output None), so no routing outlives the module.
-        token = module.__dict__.pop("_preshard_cp_token", None)
-        if token is None:
-            return
-        _, _, calls = _ACTIVE_ATTENTION.get()
-        _ACTIVE_ATTENTION.reset(token)
-        if output is not None and not calls:
-            raise PreshardError(
-                f"context parallel: {name} did not call torch.nn.functional.scaled_dot_product_attention, so its "
-                "sequence could not be attended across ranks; use diffusers' native attention backend"
-            )
-
-    return hook
-
-
-def context_parallel_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
-    """`scaled_dot_product_attention`, routed to CP attention while a planned attention module runs."""
-    active = _ACTIVE_ATTENTION.get()
-    if active is None:
-        return _ORIGINAL_SDPA(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **kwargs)
-    name, state, calls = active
-    if attn_mask is not None or is_causal or dropout_p or kwargs.get("enable_gqa"):
-        raise PreshardError(
-            f"context parallel: {name} asked for an attention mask, causal attention, dropout or GQA, "
-            "which preshard's CP attention does not support"
-        )
-    if state.seq_len is None:
-        raise PreshardError(f"context parallel: {name} ran before the CP plan split the sequence")
-    calls.append(query.shape[2])
-    state.attention_rows[name] = query.shape[2]
-    if state.neuron:
-        _advise_neuron(state, key.shape[2] * state.groups.ulysses_size)
-    return cp_attention(
-        query,
-        key,
-        value,
-        groups=state.groups,
-        seq_len=state.attention_length(query.shape[2]),
-        scale=scale,
-        local_attention=_ORIGINAL_SDPA,
-    )
-
-
-def _advise_neuron(state: CPState, block_len: int) -> None:
-    length = state.seq_len if state.groups.ring_size == 1 else block_len
-    advice = neuron_flash_advice(length)
-    if advice and length not in state.advised:
-        state.advised.add(length)
-        warnings.warn(advice, stacklevel=3)
-
-
-def install_sdpa_router() -> None:
-    """Route the public SDPA through preshard (a pass-through unless a CP attention module is running)."""
-    if F.scaled_dot_product_attention is not context_parallel_sdpa:
-        F.scaled_dot_product_attention = context_parallel_sdpa
 
 
 # ---------------------------------------------------------------- attach
@@ -246,8 +449,8 @@ def install_sdpa_router() -> None:
 
 def attach_context_parallel(
     model: nn.Module, plan: Plan, groups: MeshGroups, rank_device: RankDevice, report: LoadReport
-) -> CPState:
-    """Register the split/gather hooks and the attention wrappers; describe them in the report."""
+) -> CPRuntime:
+    """Register the split/gather hooks and route the planned attention modules; describe them in the report."""
     spec = groups.spec
     coords = groups.coords
     cp_groups = CPGroups(
@@ -255,18 +458,20 @@ def attach_context_parallel(
         ulysses_group=groups.ulysses, ulysses_size=spec.ulysses, ulysses_rank=coords["ulysses"],
     )  # fmt: skip
     cp_members = groups.ranks.get("cp", [groups.rank])
-    state = CPState(
-        groups=cp_groups,
-        cp_group=groups.cp,
-        cp_order=[spec.cp_rank(r) for r in sorted(cp_members)],
-        neuron=rank_device.kind == "neuron",
-    )
     cp_plan = resolve_cp_plan(model, plan)
+    runtime = CPRuntime(
+        cp_groups,
+        groups.cp,
+        [spec.cp_rank(r) for r in sorted(cp_members)],
+        neuron=rank_device.kind == "neuron",
+        join_order=resolve_join_order(model, plan, cp_plan),
+    )
     attention = plan.context_parallel_attention()
     if not attention:
         raise PlanError("the plan marks no attention module for context parallelism; add one with context_parallel")
     modules = dict(model.named_modules())
-    model.register_forward_pre_hook(_reset_hook(state))
+    model._preshard_cp = runtime
+    model.register_forward_pre_hook(_begin_forward_hook(runtime))
     ranks = f"cp group {sorted(cp_members)}"
     for pattern, entry in cp_plan.items():
         hits = [n for n in modules if matches(pattern, n)]
@@ -275,26 +480,26 @@ def attach_context_parallel(
         for name in hits:
             module = modules[name]
             if entry.split_inputs:
-                hook = _split_inputs_hook(state, name, entry.split_inputs, _argument_positions(module))
+                hook = _split_inputs_hook(runtime, name, entry.split_inputs, _argument_positions(module))
                 module.register_forward_pre_hook(hook, with_kwargs=True)
                 for arg, s in entry.split_inputs.items():
                     report.add_hook(name, f"cp: split input {arg} dim {s.dim} over {ranks}")
             if entry.split_outputs:
-                module.register_forward_hook(_split_outputs_hook(state, name, entry.split_outputs))
+                module.register_forward_hook(_split_outputs_hook(runtime, name, entry.split_outputs))
                 for key, s in entry.split_outputs.items():
                     report.add_hook(name, f"cp: split output {key} dim {s.dim} over {ranks}")
             if entry.gather_output is not None:
-                module.register_forward_hook(_gather_hook(state, name, entry.gather_output))
+                module.register_forward_hook(_gather_hook(runtime, name, entry.gather_output))
                 report.add_hook(name, f"cp: all-gather output dim {entry.gather_output.dim} over {ranks}")
 
-    install_sdpa_router()
     axes = [axis for axis in ("ulysses", "ring") if spec.size(axis) > 1]
     description = "cp: attention " + " + ".join(f"{axis} over group {groups.ranks[axis]}" for axis in axes)
+    routers = {}
     for rule in attention:
         for name, module in modules.items():
             if name and matches(rule.match, name):
-                module.register_forward_pre_hook(_attention_enter(state, name))
-                module.register_forward_hook(_attention_exit(state, name), always_call=True)
+                route_attention(module, runtime, name)
+                routers[name] = module._preshard_cp_router
                 report.add_hook(name, description)
-    report.attention_rows = state.attention_rows
-    return state
+    report.attention_rows = AttentionRows(routers)
+    return runtime

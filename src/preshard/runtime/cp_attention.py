@@ -1,16 +1,24 @@
-"""Context-parallel attention over a sequence-sharded q/k/v (Ulysses inside, ring outside).
+"""Context-parallel attention over sequence-sharded q/k/v (Ulysses inside, ring outside).
 
-The CP hook layer pads the sequence to a multiple of the CP size and gives each rank one contiguous
-block of rows; this module computes, for that rank's query rows, exactly the non-causal softmax
-attention of the unpadded sequence. Padding rows form a suffix of the global sequence, so in every key
-block the real keys are a prefix: cutting the block there (rather than masking) keeps padded keys out
-of every softmax, lets the fast unmasked kernels run, and leaves no row without a key (so no NaN).
-Every collective goes through `preshard.runtime.collectives` so the Neuron rule checker sees all of them.
+The CP hook layer pads every sequence it splits to a multiple of the CP size, on its own, and gives each
+rank one contiguous block of rows of each. A rank's local keys are those blocks joined in the order the
+model joins them (`KeyLayout`: one sequence for most attention, text then image for Flux's joint
+attention). Which key rows are padding therefore follows from the layout alone, on every rank, with no
+data: this module drops them before any softmax (a slice where they are a suffix, a concatenation of the
+real runs otherwise), so the fast unmasked kernels run, no row is left without a key (no NaN), and the
+result is exactly the attention of the unpadded sequences. Query rows that are padding produce rows that
+the hooks drop at the gather.
+
+Ring steps compute each key block with a kernel that also returns the log-sum-exp and merge the blocks in
+float32 from it: on CPU `aten._scaled_dot_product_flash_attention_for_cpu`; on CUDA the flash kernel
+(fp16/bf16) or the memory-efficient one (untested on CUDA hardware); elsewhere a chunked float32 math path.
+The next K/V block is already in flight while the current one is computed. Every collective goes through
+`preshard.runtime.collectives` so the Neuron rule checker sees all of them and torch.compile traces them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,13 +27,19 @@ from torch.distributed import ProcessGroup
 
 from preshard.runtime import collectives
 
-__all__ = ["CPGroups", "attention_with_lse", "cp_attention", "neuron_flash_advice"]
+__all__ = [
+    "CPGroups",
+    "KeySequence",
+    "attention_with_lse",
+    "block_attention_with_lse",
+    "cp_attention",
+    "neuron_flash_advice",
+]
 
 # Upper bound on float32 score elements materialised at once by the math path (512 MiB).
 _MAX_SCORE_ELEMENTS = 1 << 27
 _NEURON_FLASH_MULTIPLE = 512
-# The builtin behind F.scaled_dot_product_attention, taken at import so that a runtime patch of the public
-# name (the CP hooks intercept it) can never make the default recurse into itself.
+# The builtin behind F.scaled_dot_product_attention, taken at import: the default local kernel.
 _ORIGINAL_SDPA: Callable[..., torch.Tensor] = getattr(
     torch._C._nn, "scaled_dot_product_attention", F.scaled_dot_product_attention
 )
@@ -60,34 +74,96 @@ class CPGroups:
         return self.ring_rank * self.ulysses_size + self.ulysses_rank
 
 
+@dataclass(frozen=True)
+class KeySequence:
+    """One split sequence inside a rank's local key block: `length` real rows over the CP group, `rows` per rank.
+
+    CP rank p holds rows `[p * rows, (p + 1) * rows)` of the sequence padded to `rows * cp_size`.
+    """
+
+    length: int
+    rows: int
+
+    def real_rows(self, cp_rank: int) -> int:
+        """How many of CP rank `cp_rank`'s `rows` are real (the rest, at the end, are padding)."""
+        return max(0, min(self.rows, self.length - cp_rank * self.rows))
+
+
+KeyLayout = tuple[KeySequence, ...]
+
+
+def _real_runs(layout: KeyLayout, cp_rank: int, offset: int) -> list[tuple[int, int]]:
+    """[start, stop) runs of real key rows in CP rank `cp_rank`'s local block, shifted by `offset`."""
+    runs: list[tuple[int, int]] = []
+    for seq in layout:
+        real = seq.real_rows(cp_rank)
+        if real:
+            if runs and runs[-1][1] == offset:
+                runs[-1] = (runs[-1][0], offset + real)
+            else:
+                runs.append((offset, offset + real))
+        offset += seq.rows
+    return runs
+
+
+def _select_rows(x: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
+    """The rows of `x` (dim 2) in `runs`: the tensor itself, a slice, or a concatenation of slices."""
+    if len(runs) == 1 and runs[0] == (0, x.shape[2]):
+        return x
+    if len(runs) == 1:
+        return x[:, :, runs[0][0] : runs[0][1]]
+    return torch.cat([x[:, :, a:b] for a, b in runs], dim=2)
+
+
 def cp_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     *,
     groups: CPGroups,
-    seq_len: int,
+    seq_len: int | None = None,
+    key_layout: Sequence[KeySequence] | None = None,
     scale: float | None = None,
     local_attention: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Attention of this rank's query rows against the whole (real) sequence, `[B, H, S_local, D]`.
+    """Attention of this rank's query rows against every real key of the CP group, `[B, H, S_q_local, D]`.
 
-    q/k/v hold global rows `[cp_rank * S_local, (cp_rank + 1) * S_local)` of a sequence padded to
-    `S_local * cp_size`; rows at positions `>= seq_len` are padding. `local_attention` is called as
-    `local_attention(q, k, v, scale=scale)` where no log-sum-exp is needed (ring size 1); pass the
-    original, unpatched `scaled_dot_product_attention` so the device's kernels run (the default is
-    torch's builtin, captured at import, so it is safe even while the public name is patched).
+    Args:
+        query: `[B, H, S_q_local, D]`, this rank's query rows (padding rows give rows the caller drops).
+        key, value: `[B, H, S_k_local, D]`, this rank's key rows, laid out as `key_layout` says.
+        groups: this rank's CP axes.
+        seq_len: shorthand for a single split sequence of that many real rows (`key_layout` of one entry).
+        key_layout: the split sequences joined, in order, in every rank's local key block.
+        scale: softmax scale (default `D ** -0.5`).
+        local_attention: called as `local_attention(q, k, v, scale=scale)` where no log-sum-exp is needed
+            (ring size 1); default torch's builtin SDPA.
+
+    Returns:
+        The attention output for this rank's query rows, in the query dtype.
+
+    Raises:
+        ValueError: shapes that do not fit, or a layout that does not describe the local key block.
     """
+    layout = _layout(key, groups, seq_len, key_layout)
     return _cp_attention(
-        query,
-        key,
-        value,
-        groups=groups,
-        seq_len=seq_len,
-        scale=scale,
-        local_attention=local_attention,
-        mask_padding=True,
+        query, key, value, groups=groups, layout=layout, scale=scale, local_attention=local_attention, drop_padding=True
     )
+
+
+def _layout(
+    key: torch.Tensor, groups: CPGroups, seq_len: int | None, key_layout: Sequence[KeySequence] | None
+) -> KeyLayout:
+    if (seq_len is None) == (key_layout is None):
+        raise ValueError("cp_attention: pass exactly one of seq_len and key_layout")
+    if key_layout is None:
+        key_layout = (KeySequence(seq_len, key.shape[2]),)
+    layout = tuple(key_layout)
+    if key.dim() == 4 and sum(s.rows for s in layout) != key.shape[2]:
+        raise ValueError(f"cp_attention: key layout {layout} does not add up to the {key.shape[2]} local key rows")
+    for s in layout:
+        if not 1 <= s.length <= s.rows * groups.cp_size:
+            raise ValueError(f"cp_attention: seq_len {s.length} not in [1, {s.rows * groups.cp_size}] (rows * cp_size)")
+    return layout
 
 
 def _cp_attention(
@@ -96,13 +172,13 @@ def _cp_attention(
     value: torch.Tensor,
     *,
     groups: CPGroups,
-    seq_len: int,
+    layout: KeyLayout,
     scale: float | None,
     local_attention: Callable[..., torch.Tensor] | None,
-    mask_padding: bool,
+    drop_padding: bool,
 ) -> torch.Tensor:
-    """`cp_attention`, with a switch that lets tests show that cutting out padded keys matters."""
-    _check_inputs(query, key, value, groups, seq_len)
+    """`cp_attention`, with a switch that lets tests show that dropping padded keys matters."""
+    _check_inputs(query, key, value)
     if scale is None:
         scale = query.shape[-1] ** -0.5
     if local_attention is None:
@@ -112,44 +188,57 @@ def _cp_attention(
 
     if u > 1:
         query, key, value = _seq_to_heads([query, key, value], groups.ulysses_group, u)
-    # Now this rank holds rows [ring_rank * block, (ring_rank + 1) * block) for its heads.
-    block = key.shape[2]
+    # This rank now holds, for its heads, the key blocks of CP ranks ring_rank * u + j for j < u, joined.
+
+    def runs(ring_rank: int) -> list[tuple[int, int]]:
+        rows = key.shape[2] // u
+        if not drop_padding:
+            return [(0, key.shape[2])]
+        found: list[tuple[int, int]] = []
+        for j in range(u):
+            for a, b in _real_runs(layout, ring_rank * u + j, j * rows):
+                if found and found[-1][1] == a:
+                    found[-1] = (found[-1][0], b)
+                else:
+                    found.append((a, b))
+        return found
 
     if groups.ring_size == 1:
-        if mask_padding and seq_len < block:
-            key, value = key[:, :, :seq_len], value[:, :, :seq_len]
-        out = local_attention(query, key, value, scale=scale)
+        mine = runs(0)
+        out = local_attention(query, _select_rows(key, mine), _select_rows(value, mine), scale=scale)
     else:
-        out, _ = _ring_attention(query, key, value, groups, seq_len=seq_len if mask_padding else None, scale=scale)
-        out = out.to(query.dtype)
+        out = _ring_attention(query, key, value, groups, runs, scale=scale).to(query.dtype)
 
     if u > 1:
         out = _heads_to_seq(out, groups.ulysses_group, u, heads)
     return out
 
 
-def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: CPGroups, seq_len: int) -> None:
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("cp_attention: q, k, v must be [B, H, S_local, D]")
-    if q.shape[:3] != k.shape[:3] or k.shape[:3] != v.shape[:3] or q.shape[-1] != k.shape[-1]:
+    if q.shape[:2] != k.shape[:2] or k.shape[:3] != v.shape[:3] or q.shape[-1] != k.shape[-1]:
         raise ValueError(
-            f"cp_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must share B, H, "
-            "S_local (no GQA), and q/k the head dim"
+            f"cp_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must share B and H (no GQA), "
+            "k and v their rows, and q and k the head dim"
         )
-    s_pad = q.shape[2] * groups.cp_size
-    if not 1 <= seq_len <= s_pad:
-        raise ValueError(f"cp_attention: seq_len {seq_len} not in [1, {s_pad}] (S_local * cp_size)")
 
 
 def _seq_to_heads(xs: list[torch.Tensor], group: ProcessGroup | None, u: int) -> list[torch.Tensor]:
     """Ulysses forward all-to-all: `[B, H, S, D]` sequence shards -> `[B, ceil(H/u), u*S, D]` head shards.
 
-    Heads are zero-padded to a multiple of `u` so the exchange is equal-sized; q/k/v travel in one
-    all-to-all when they share a shape.
+    Heads are zero-padded to a multiple of `u` so the exchange is equal-sized; tensors of one shape travel in
+    one all-to-all (q, k and v together for self-attention).
     """
-    if all(x.shape == xs[0].shape for x in xs):
-        return list(_seq_to_heads_stacked(torch.stack(xs), group, u).unbind(0))
-    return [_seq_to_heads_stacked(x.unsqueeze(0), group, u)[0] for x in xs]
+    out: list[torch.Tensor | None] = [None] * len(xs)
+    by_shape: dict[tuple[tuple[int, ...], torch.dtype], list[int]] = {}
+    for i, x in enumerate(xs):
+        by_shape.setdefault((tuple(x.shape), x.dtype), []).append(i)
+    for members in by_shape.values():
+        moved = _seq_to_heads_stacked(torch.stack([xs[i] for i in members]), group, u).unbind(0)
+        for i, x in zip(members, moved):
+            out[i] = x
+    return out  # type: ignore[return-value]
 
 
 def _seq_to_heads_stacked(x: torch.Tensor, group: ProcessGroup | None, u: int) -> torch.Tensor:
@@ -182,46 +271,63 @@ def _ring_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     groups: CPGroups,
+    runs: Callable[[int], list[tuple[int, int]]],
     *,
-    seq_len: int | None,
     scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ring attention: K/V blocks travel round the ring group; partials merge by log-sum-exp (float32).
+) -> torch.Tensor:
+    """Ring attention: K/V blocks travel round the ring group; partials merge by log-sum-exp in float32.
 
-    Block from ring rank r covers rows `[r * L, (r + 1) * L)`; its keys at `>= seq_len` are cut off
-    (None: keep all, for the negative-control test). Returns float32 `(out, lse)`.
+    `runs(r)` gives the real rows of the block that started on ring rank r (static: known from the layout).
+    The next block is sent before the current one is computed, so the pass overlaps the kernel.
     """
-    n, me, block = groups.ring_size, groups.ring_rank, k.shape[2]
-    k_numel = k.numel()
-    k_shape, v_shape = k.shape, v.shape
+    n, me = groups.ring_size, groups.ring_rank
+    k_numel, k_shape, v_shape = k.numel(), k.shape, v.shape
     buf = torch.cat([k.reshape(-1), v.reshape(-1)])
     out: torch.Tensor | None = None
     lse: torch.Tensor | None = None
     for step in range(n):
         pending = collectives.ring_pass_async(buf, groups.ring_group) if step < n - 1 else None
-        src = (me - step) % n
-        valid = block if seq_len is None else max(0, min(block, seq_len - src * block))
-        if valid > 0:
-            k_blk = buf[:k_numel].view(k_shape)[:, :, :valid]
-            v_blk = buf[k_numel:].view(v_shape)[:, :, :valid]
-            o_blk, lse_blk = _attention_f32(q, k_blk, v_blk, None, scale)
-            out, lse = (o_blk, lse_blk) if out is None else _merge(out, lse, o_blk, lse_blk)
+        real = runs((me - step) % n)
+        if real:
+            k_blk = _select_rows(buf[:k_numel].view(k_shape), real)
+            v_blk = _select_rows(buf[k_numel:].view(v_shape), real)
+            o_blk, lse_blk = block_attention_with_lse(q, k_blk, v_blk, scale)
+            out, lse = (o_blk.float(), lse_blk) if out is None else _merge(out, lse, o_blk, lse_blk)
         if pending is not None:
             buf = pending.wait()
-    if out is None:  # unreachable while seq_len >= 1: ring rank 0's block always has a real key
+    if out is None:  # unreachable while a sequence has a real row: ring rank 0's block always has one
         out = q.new_zeros((*q.shape[:3], v.shape[-1]), dtype=torch.float32)
-        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
-    return out, lse
+    return out
 
 
 def _merge(
     out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Combine two softmax partials; rows with lse = -inf on both sides stay 0 instead of NaN."""
+    """Combine two softmax partials in float32; rows with lse = -inf on both sides stay 0 instead of NaN."""
     lse = torch.logaddexp(lse_a, lse_b)
     ref = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    out = out_a * torch.exp(lse_a - ref).unsqueeze(-1) + out_b * torch.exp(lse_b - ref).unsqueeze(-1)
+    out = out_a * torch.exp(lse_a - ref).unsqueeze(-1) + out_b.float() * torch.exp(lse_b - ref).unsqueeze(-1)
     return out, lse
+
+
+def block_attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unmasked attention of q over one key block and its log-sum-exp (float32 `[B, H, Lq]`), on a fused kernel.
+
+    CPU: the flash kernel SDPA itself uses. CUDA (untested on CUDA hardware): the flash kernel for fp16/bf16,
+    else the memory-efficient one. Anything else: the chunked float32 math path. `out` may be in q's dtype.
+    """
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)
+        return out, lse
+    if q.device.type == "cuda":  # untested on CUDA hardware
+        if q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256:
+            result = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)
+            return result[0], result[1]
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, False, scale=scale)
+        return out, lse[..., : q.shape[2]]
+    return _attention_f32(q, k, v, None, scale)
 
 
 def _attention_f32(
@@ -256,7 +362,7 @@ def attention_with_lse(
     key_valid: torch.Tensor | None,
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention plus its log-sum-exp, so partial results over key blocks can be merged.
+    """Softmax attention plus its log-sum-exp, so partial results over key blocks can be merged (math path).
 
     `key_valid`: bool, broadcastable to `[B, H, 1, Lk]` (e.g. `[Lk]`); False keys are ignored. Rows with
     no valid key give out = 0 and lse = -inf (never NaN). Computed in float32; `out` is returned in the
@@ -287,5 +393,6 @@ def neuron_flash_advice(seq_len: int) -> str | None:
         fix += f" or trim {seq_len - down} rows (to {down})"
     return (
         f"Neuron: attention sequence length {seq_len} is not a multiple of {m}, so the NKI flash-attention "
-        f"kernel will be skipped and the full score matrix materialised; {fix}."
+        f"kernel will be skipped and the full score matrix materialised; {fix} (in a pipeline: choose "
+        "height, width, num_frames or max_sequence_length to match)."
     )
