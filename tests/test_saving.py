@@ -259,3 +259,109 @@ def test_one_process_without_a_process_group(converted, tiny_models, tmp_path):
     net.save_pretrained(tmp_path / "got", max_shard_size=SMALL_SHARDS)
     tiny_models("mixed").save_pretrained(tmp_path / "want", max_shard_size=SMALL_SHARDS)
     _same_folder(tmp_path / "got", tmp_path / "want")
+
+
+# ---------------------------------------------------------------- tensor-parallel norms and LoRA adapters
+
+
+def _norms_and_lora_rank(rank: int, world: int, ckpt: dict, src: dict, out: str) -> dict:
+    """Wan and Wan I2V at tp=2 (q/k norms under tp_rms_norm, sharded with the heads) save and gather in full; a
+    Flux with LoRA adapters loaded is refused in one line, and after fuse_lora + unload_lora gathers the fused
+    weights."""
+    from diffusers import FluxTransformer2DModel, WanTransformer3DModel
+    from tiny_diffusers import build
+    from tiny_lora import make_lora
+
+    from preshard.errors import UsageError
+    from preshard.runtime import saving
+    from preshard.runtime.load import load_sharded
+
+    init_gloo()
+    out = Path(out)
+    res: dict = {}
+    for kind in ("wan", "wan_i2v"):
+        net = load_sharded(WanTransformer3DModel, ckpt[kind])
+        res[kind, "state_dict"] = _bitwise_mismatches(net.state_dict(), load_source(Path(src[kind])))
+        with saving.local_state_dict(net):
+            res[kind, "local norm"] = tuple(net.state_dict()["blocks.0.attn1.norm_q.weight"].shape)
+        net.save_pretrained(out / f"{kind}-{rank}", max_shard_size=SMALL_SHARDS)
+
+    model, _ = build("flux")
+    lora = make_lora(model, out / f"lora-{rank}.safetensors", seed=7)
+    from diffusers.loaders import FluxLoraLoaderMixin
+
+    state, alphas = FluxLoraLoaderMixin.lora_state_dict(str(lora), return_alphas=True)
+    net = load_sharded(FluxTransformer2DModel, ckpt["flux"])
+    gathers = []
+    real_full = saving.Sharding.full
+    saving.Sharding.full = lambda self, *a, **k: gathers.append(a[0]) or real_full(self, *a, **k)
+    net.load_lora_adapter(dict(state), network_alphas=alphas, adapter_name="steps")
+    saving.Sharding.full = real_full
+    res["gathers while loading"] = len(gathers)  # diffusers and PEFT read state_dict(): this rank's slices
+    model.load_lora_adapter(dict(state), network_alphas=alphas, adapter_name="steps")
+    with_adapters, want = net.state_dict(), model.state_dict()
+    res["with adapters"] = _bitwise_mismatches(with_adapters, want)
+    res["factor names"] = sum(".lora_" in k for k in want)
+    with saving.local_state_dict(net):
+        local = net.state_dict()
+    res["local factors split"] = sum(local[k].shape != want[k].shape for k in want if ".lora_" in k)
+    try:
+        net.save_pretrained(out / f"lora-saved-{rank}")
+        res["lora refusal"] = None
+    except UsageError as exc:
+        res["lora refusal"] = str(exc)
+    res["lora wrote"] = (out / f"lora-saved-{rank}").exists()
+    for m in (model, net):
+        m.fuse_lora()
+        m.unload_lora()
+    want = model.state_dict()
+    got = net.state_dict()
+    res["fused keys"] = sorted(set(got) ^ set(want))
+    res["fused diff"] = max((got[k] - want[k]).abs().max().item() for k in want)
+    res["fused changed"] = max((want[k] - v).abs().max().item() for k, v in build("flux")[0].state_dict().items())
+    return res
+
+
+@pytest.fixture(scope="module")
+def norms_and_lora(tmp_path_factory):
+    from tiny_diffusers import build, save
+
+    from preshard.converter.convert import convert_checkpoint
+
+    root = tmp_path_factory.mktemp("norms-lora")
+    src, ckpt = {}, {}
+    for kind in ("wan", "wan_i2v", "flux"):
+        src[kind] = str(save(build(kind)[0], root / f"{kind}-src"))
+        convert_checkpoint(src[kind], root / f"{kind}-tp2", tp=2, progress=False)
+        ckpt[kind] = str(root / f"{kind}-tp2")
+        build(kind)[0].save_pretrained(root / f"{kind}-want", max_shard_size=SMALL_SHARDS)
+    out = root / "out"
+    out.mkdir()
+    return root, run_ranks(_norms_and_lora_rank, 2, ckpt, src, str(out), timeout=600)
+
+
+def test_tensor_parallel_norms_are_gathered_and_saved_byte_for_byte(norms_and_lora):
+    root, runs = norms_and_lora
+    for run in runs:
+        for kind in ("wan", "wan_i2v"):
+            assert run[kind, "state_dict"] == []
+            assert run[kind, "local norm"] == (16,)  # the norm weight really is split (32 wide, tp=2)
+    for kind in ("wan", "wan_i2v"):
+        _same_folder(root / "out" / f"{kind}-0", root / f"{kind}-want")
+        assert not (root / "out" / f"{kind}-1").exists()
+
+
+def test_with_lora_adapters_state_dict_is_the_unsharded_models_and_save_pretrained_refuses(norms_and_lora):
+    _, runs = norms_and_lora
+    for run in runs:
+        assert run["gathers while loading"] == 0
+        assert run["with adapters"] == [], run["with adapters"]  # base_layer names and factors, bit for bit
+        assert run["factor names"] > 10 and run["local factors split"] > 5  # the factors really are sliced
+        message = run["lora refusal"]
+        assert message is not None and "\n" not in message, message
+        assert message.startswith("FluxTransformer2DModel: LoRA adapters are loaded (steps)")
+        assert "model.fuse_lora(); model.unload_lora()" in message and "--lora" in message
+        assert not run["lora wrote"]
+        assert run["fused keys"] == []
+        assert run["fused changed"] > 1e-3  # the LoRA changed the weights: the comparison below means something
+        assert run["fused diff"] <= 1e-6, run["fused diff"]

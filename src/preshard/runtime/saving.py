@@ -16,13 +16,18 @@ row- and column-splits and any style that describes itself as a layout come back
   `save_config`), so the folder is byte for byte the one the unsharded model writes. The other ranks write
   nothing. Files land in a temporary folder first and are moved into place once all are written.
 
-A parameter that preshard did not load (added after loading, e.g. a fused projection or an adapter) has no
-known layout: saving refuses it rather than guessing.
+LoRA adapters (runtime/lora.py) are known: with adapters loaded, state_dict() has PEFT's names (a wrapped
+layer's `base_layer`, each adapter's factors) and every tensor in full, as the unsharded model with the same
+LoRA returns it; `load_lora_adapter` runs with this rank's slices as the model's state (diffusers and PEFT read
+it while they build the adapters); save_pretrained refuses adapters in one line (fuse and unload them first).
+Any other parameter added after loading (e.g. a fused projection) has no known layout: state_dict() and
+save_pretrained refuse it rather than guessing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -39,10 +44,14 @@ from torch.distributed import ProcessGroup
 
 from preshard.errors import UsageError
 from preshard.format.layout import TensorLayout
+from preshard.format.styles import REPLICATE
 from preshard.runtime import collectives
 
 SHARDING_ATTRIBUTE = "preshard_sharding"
 _SHARD_FILE = re.compile(r"(.*?)-\d{5}-of-\d{5}")  # diffusers' numbered weight files
+_LORA = re.compile(r"lora_(A|B|embedding_A|embedding_B|magnitude_vector)")  # PEFT's adapter containers
+# A LoRA factor of a layer: `<layer>.lora_A.<adapter>.weight` (PEFT names; the adapter name has no dot).
+_FACTOR = re.compile(r"(?P<layer>.+)\.(?P<factor>lora_[AB])\.(?P<adapter>[^.]+)\.(?P<leaf>weight|bias)")
 
 
 @dataclass
@@ -61,9 +70,10 @@ class Sharding:
     gather: bool = True  # False inside local_state_dict()
     hooks: list[Any] = field(default_factory=list)
 
-    def full(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        """The whole tensor `name` from every TP rank's `local` slices (collective over the TP group)."""
-        layout = self.layouts[name]
+    def full(self, name: str, local: torch.Tensor, layout: TensorLayout | None = None) -> torch.Tensor:
+        """The whole tensor `name` (laid out as `layout`, by default its own) from every TP rank's `local` slices
+        (collective over the TP group)."""
+        layout = layout or self.layouts[name]
         if not layout.sharded or self.tp == 1:
             return local
         stacked = collectives.all_gather_equal(local.detach(), self.tp_group)
@@ -84,9 +94,30 @@ class Sharding:
         pieces = [whole.narrow(d, o[d], s[d]) for o, s in layout.boxes(self.tp, self.tp_rank)]
         return torch.cat(pieces, d) if len(pieces) > 1 else pieces[0].contiguous()
 
+    def layout_of(self, name: str, local: torch.Tensor) -> TensorLayout | None:
+        """The layout of `name` (this rank's slice `local`), also under PEFT's names: a wrapped layer's `base_layer`,
+        and its adapters' factors, which runtime/lora.py sliced by the base layer's style (B's rows where the base
+        splits its output, A's columns where it splits its input); None for a parameter of unknown layout."""
+        plain = name.replace(".base_layer.", ".")
+        if plain in self.layouts:
+            return self.layouts[plain]
+        factor = _FACTOR.fullmatch(plain)
+        base = self.layouts.get(f"{factor['layer']}.weight") if factor else None
+        if factor is None or base is None:
+            return None
+        up = factor["factor"] == "lora_B"
+        if not base.sharded or up != (base.style.weight_dim == 0):  # this factor is whole on every rank
+            return TensorLayout.make(name, REPLICATE, tuple(local.shape), local.dtype, local.dtype)
+        if up:
+            shape = (base.shape[0], local.shape[1]) if factor["leaf"] == "weight" else (base.shape[0],)
+        else:
+            shape = (local.shape[0], base.shape[1])
+        leaf = f"{factor['layer']}.{factor['factor']}.{factor['leaf']}"
+        return TensorLayout.make(leaf, base.style, shape, local.dtype, local.dtype)
+
     def unknown_parameters(self, module: nn.Module, prefix: str) -> list[str]:
-        """Parameters of `module` (named as in the root model) that preshard did not load."""
-        return [prefix + n for n, _ in module.named_parameters() if prefix + n not in self.layouts]
+        """Parameters of `module` (named as in the root model) whose layout is unknown (added after loading)."""
+        return [prefix + n for n, p in module.named_parameters() if self.layout_of(prefix + n, p) is None]
 
 
 def attach_saving(
@@ -133,9 +164,26 @@ def attach_saving(
     for module in modules.values():
         # Refuse before any gather starts: a parameter of unknown layout anywhere under the module asked.
         sharding.hooks.append(module.register_state_dict_pre_hook(_refuse_unknown_hook(sharding, root_prefix)))
+        sharding.hooks.append(module.register_state_dict_post_hook(_gather_adapters_hook(sharding, root_prefix)))
     setattr(model, SHARDING_ATTRIBUTE, sharding)
     model.save_pretrained = _bound_save_pretrained(model, sharding)  # type: ignore[method-assign]
+    load_lora_adapter = getattr(model, "load_lora_adapter", None)
+    if callable(load_lora_adapter):
+        model.load_lora_adapter = _with_local_state(model, load_lora_adapter)  # type: ignore[method-assign]
     return sharding
+
+
+def _with_local_state(model: nn.Module, load_lora_adapter):
+    """`load_lora_adapter` with this rank's slices as the model's state: diffusers and PEFT read the model's
+    state_dict() while they build adapters (for its names and the local layers' shapes), and a gather there would
+    hold the whole model on every rank for nothing."""
+
+    @functools.wraps(load_lora_adapter)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        with local_state_dict(model):
+            return load_lora_adapter(*args, **kwargs)
+
+    return wrapped
 
 
 @contextlib.contextmanager
@@ -182,6 +230,25 @@ def _slice_hook(sharding: Sharding, leaves: dict[str, str]):
     return hook
 
 
+def _gather_adapters_hook(sharding: Sharding, root_prefix: dict[int, str]):
+    """At the top of a state_dict() call: the LoRA factors (added after loading, so no hook of their own) in full."""
+
+    def hook(module, state_dict, prefix, local_metadata):
+        if not sharding.gather or (prefix and root_prefix[id(module)]) or sharding.tp == 1:
+            return
+        for key in [k for k in state_dict if k.startswith(prefix) and _is_factor(k)]:
+            name = root_prefix[id(module)] + key[len(prefix) :]
+            layout = sharding.layout_of(name, state_dict[key])
+            if layout is not None and layout.sharded:
+                state_dict[key] = sharding.full(name, state_dict[key], layout)
+
+    return hook
+
+
+def _is_factor(key: str) -> bool:
+    return ".lora_A." in key or ".lora_B." in key
+
+
 def _refuse_unknown_hook(sharding: Sharding, root_prefix: dict[int, str]):
     def hook(module, prefix, keep_vars):
         # At the top of a state_dict() call (a module's own prefix is ""), or whenever it reaches the root model.
@@ -206,6 +273,32 @@ def refuse_unknown(sharding: Sharding, module: nn.Module, prefix: str) -> None:
             "after load_sharded, so how it is split across ranks is unknown; save before adding it, or read this "
             "rank's tensors with preshard.runtime.saving.local_state_dict(model)"
         )
+
+
+def refuse_adapters(sharding: Sharding, model: nn.Module) -> None:
+    """Raise if LoRA adapters are loaded: what save_pretrained would write (base_layer and factor names) is no
+    checkpoint from_pretrained can read, on a sharded model or not.
+
+    Raises:
+        UsageError: naming the adapters and the two ways out.
+    """
+    adapters = _adapter_names([name for name, _ in model.named_parameters()])
+    if adapters:
+        raise UsageError(
+            f"{sharding.model}: LoRA adapters are loaded ({', '.join(adapters)}), so save_pretrained would write "
+            "PEFT's wrapped names, which from_pretrained cannot read; fuse them and drop the adapters first "
+            "(model.fuse_lora(); model.unload_lora()), or fuse the LoRA into the checkpoint: convert-checkpoint SRC "
+            "OUT --lora FILE"
+        )
+
+
+def _adapter_names(names: list[str]) -> list[str]:
+    """The PEFT adapters among parameter names (`...to_q.lora_A.<adapter>.weight`)."""
+    found = set()
+    for name in names:
+        parts = name.split(".")
+        found.update(parts[i + 1] for i in range(len(parts) - 1) if _LORA.fullmatch(parts[i]))
+    return sorted(found)
 
 
 def _bound_save_pretrained(model: nn.Module, sharding: Sharding):
@@ -274,6 +367,7 @@ def save_sharded(
 
     if directory.is_file():
         raise UsageError(f"save_pretrained: {directory} is a file; give a folder")
+    refuse_adapters(sharding, model)
     refuse_unknown(sharding, model, "")
     with local_state_dict(model):
         local = model.state_dict()
