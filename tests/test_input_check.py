@@ -69,6 +69,10 @@ def test_fingerprint_reads_bits_not_layout():
     odd = torch.arange(7, dtype=torch.uint8)  # 7 bytes: one partial word, little-endian
     assert _fp(odd) == (sum(i << (8 * i) for i in range(7)),) * 2
     assert _fp(torch.arange(10, dtype=torch.bfloat16)[1:]) == _fp(torch.arange(1, 10, dtype=torch.bfloat16))
+    # Stride 0 on dims of size 1 (`t.expand(batch)`, how WanPipeline and FluxPipeline pass the timestep at batch 1)
+    scalar = torch.tensor(999.0)
+    assert scalar.expand(1).stride() == (0,) and _fp(scalar.expand(1)) == _fp(torch.tensor([999.0]))
+    assert _fp(torch.tensor([[3.0]]).expand(1, 1).as_strided((1, 1), (0, 0))) == _fp(torch.tensor([[3.0]]))
 
 
 def test_check_inputs_values():
@@ -158,14 +162,14 @@ def _rank(rank: int, world: int, checkpoints: dict[int, str], reference) -> dict
         net.preshard_input_check.mode = "off"  # the switch on the model: the next forward is not checked
         run["switched_off"] = _attempt(net, _inputs(seed=rank))[1]
         run["after"] = _attempt(net, _inputs())[0] is not None
+        broadcast = load_sharded(H3, checkpoints[tp], ring=ring, ulysses=ulysses, check_inputs="broadcast")
+        out, _ = _attempt(broadcast, _inputs(seed=rank))  # rank 0's inputs are seed 0's
+        run["broadcast"] = _diff(out, reference) if out is not None else float("inf")
+        run["broadcast_shape"] = _attempt(broadcast, _inputs(seq=SEQ + rank))[1]
         if mesh == (2, 1, 1):
             unchecked = load_sharded(H3, checkpoints[tp], check_inputs=False)
             out, refused = _attempt(unchecked, _inputs(seed=rank))
             run["unchecked"] = (refused, _diff(out, reference) if out is not None else None)
-            broadcast = load_sharded(H3, checkpoints[tp], check_inputs="broadcast")
-            out, _ = _attempt(broadcast, _inputs(seed=rank))  # rank 0's inputs are seed 0's
-            run["broadcast"] = _diff(out, reference)
-            run["broadcast_shape"] = _attempt(broadcast, _inputs(seq=SEQ + rank))[1]
             run["compiled"] = _compiled_case(load_sharded(H3, checkpoints[tp]), reference, rank)
         results[mesh] = run
     return results
@@ -270,10 +274,12 @@ def test_opt_out_runs_per_rank_inputs_silently_wrong(world2):
     assert max(diffs) > 1e-2, diffs
 
 
-def test_broadcast_uses_rank0_inputs(world2):
-    for results in world2:
-        assert results[(2, 1, 1)]["broadcast"] <= TOL
-    _one_line_on_every_rank([r[(2, 1, 1)]["broadcast_shape"] for r in world2], "has shape")
+@pytest.mark.parametrize("case", ALL, ids=_id)
+def test_broadcast_uses_rank0_inputs(request, case):
+    world, mesh = case
+    for results in request.getfixturevalue(f"world{world}"):
+        assert results[mesh]["broadcast"] <= TOL, results[mesh]["broadcast"]
+    _one_line_on_every_rank(_messages(request, case, "broadcast_shape"), "has shape")
 
 
 def test_compiled_fullgraph_at_tp2_keeps_the_check(world2):

@@ -164,7 +164,7 @@ def _word_sums(t: torch.Tensor, device: torch.device) -> torch.Tensor:
         x = x.to_dense()
     if x.is_complex():
         x = torch.view_as_real(x)
-    raw = x.contiguous().reshape(-1).view(torch.uint8)
+    raw = _dense(x).view(torch.uint8)
     if raw.storage_offset() % 8:  # a view starting mid-word cannot be read as int64 words in place
         raw = raw.clone()
     whole = raw.numel() - raw.numel() % 8
@@ -180,6 +180,16 @@ def _word_sums(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     plain = columns.sum() + rest.sum()
     weighted = (columns * weights).sum() + (rest * weights[: rest.numel()]).sum()
     return torch.stack([plain, weighted]).to(device)
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s values as a 1-D tensor of stride 1, so its bytes can be viewed in another dtype. contiguous() is not
+    enough: a tensor whose dims are all of size 1 counts as contiguous with any stride (`t.expand(1)`, the
+    timestep pipelines pass, has stride 0)."""
+    flat = t.detach().reshape(-1)
+    if flat.numel() == 0 or flat.stride(0) == 1:
+        return flat
+    return torch.empty(flat.shape, dtype=flat.dtype, device=flat.device).copy_(flat)
 
 
 def _rows(tensors: list[torch.Tensor], names: list[str], device: torch.device, values: bool) -> torch.Tensor:
@@ -297,7 +307,7 @@ def broadcast_from_rank0(
         InconsistentInputsError: the ranks' inputs differ in names, dtypes or shapes, so no broadcast fits.
     """
     compare_across_ranks(tensors, names, device, model, values=False)
-    flat = [t.detach().contiguous().reshape(-1) for t in tensors]
+    flat = [_dense(t) for t in tensors]
     raw = [(f.view(torch.uint8) if f.numel() else f.new_empty(0, dtype=torch.uint8)).to(device) for f in flat]
     sizes = [r.numel() for r in raw]
     if torch.distributed.get_rank() == 0:
