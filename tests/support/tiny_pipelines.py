@@ -1,5 +1,5 @@
 """Tiny diffusers pipelines built offline for the pipeline tests: one `Case` per pipeline, so that adding a
-pipeline (Wan, once its plan exists) is one more entry in CASES.
+pipeline is one more entry in CASES.
 
 A case builds its seeded transformer and the pipeline's other components (tokenizers from small in-memory
 vocabularies, random text encoders from transformers configs, the pipeline's own schedulers), and runs a
@@ -150,4 +150,74 @@ def _flux_case() -> Case:
     )
 
 
-CASES: dict[str, Callable[[], Case]] = {"minimax-h3": _h3_case, "flux": _flux_case}
+# ---------------------------------------------------------------- Wan (text to video)
+
+
+WAN_TEXT_LEN = 8  # UMT5 max_sequence_length: the cross-attention's keys (not split under CP)
+WAN_SIZE, WAN_FRAMES = 32, 5  # 8x spatial, 4x temporal compression: 2 latent frames of 4 x 4, 8 video tokens
+
+
+def _wan_components() -> dict[str, Any]:
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler
+    from transformers import T5TokenizerFast, UMT5Config, UMT5EncoderModel
+
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -1.0)] + [(c, -2.0) for c in _CHARS]
+    tokenizer = T5TokenizerFast(vocab=vocab, extra_ids=0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(2)
+        text_encoder = UMT5EncoderModel(
+            UMT5Config(
+                vocab_size=len(tokenizer), d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2,
+                relative_attention_num_buckets=8, decoder_start_token_id=0,
+            )
+        ).eval()  # fmt: skip
+        vae = AutoencoderKLWan(
+            base_dim=3, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
+            latents_mean=[0.0] * 4, latents_std=[1.0] * 4,
+        ).eval()  # fmt: skip
+    return {
+        "tokenizer": tokenizer,
+        "text_encoder": text_encoder,
+        "vae": vae,
+        "scheduler": FlowMatchEulerDiscreteScheduler(shift=3.0),
+    }
+
+
+def _wan_transformer() -> nn.Module:
+    from tiny_diffusers import build
+
+    return build("wan")[0]  # 4 latent channels, text_dim 16 (the UMT5 width), 4 heads of 8
+
+
+def _wan_pipeline(transformer: nn.Module, components: dict[str, Any]):
+    from diffusers import WanPipeline
+
+    return WanPipeline(transformer=transformer, **components)
+
+
+def _wan_run(pipe, generator: torch.Generator, *, output_type: str = "latent", **variant) -> dict[str, torch.Tensor]:
+    options = {"prompt": "a cat", "guidance_scale": 1.0, **variant}  # CFG only in its variant: 2 calls per run
+    out = pipe(
+        height=WAN_SIZE, width=WAN_SIZE, num_frames=WAN_FRAMES, num_inference_steps=2,
+        max_sequence_length=WAN_TEXT_LEN, generator=generator, output_type=output_type, **options,
+    )  # fmt: skip
+    return {"latents" if output_type == "latent" else "videos": out.frames}
+
+
+def _wan_case() -> Case:
+    return Case(
+        name="wan",
+        transformer=_wan_transformer,
+        components=_wan_components,
+        pipeline=_wan_pipeline,
+        run=_wan_run,
+        variants={
+            "batch": {"prompt": ["a cat", "a dog"], "num_videos_per_prompt": 2},  # batch 4
+            "cfg": {"negative_prompt": "a dog", "guidance_scale": 5.0},  # two transformer calls per step
+            "callback": {"callback_on_step_end": _halve_latents_at_first_step},
+            "videos": {"output_type": "pt"},  # decoded by the (unsharded) Wan VAE
+        },
+    )
+
+
+CASES: dict[str, Callable[[], Case]] = {"minimax-h3": _h3_case, "flux": _flux_case, "wan": _wan_case}
