@@ -1,6 +1,7 @@
 """The sharded transformer inside real diffusers pipelines under gloo ranks: MiniMaxH3ModularPipeline (t2va),
-FluxPipeline and WanPipeline (the built-in `wan` plan: q/k norms under tp_rms_norm), built offline from tiny random components (tests/support/tiny_pipelines.py), run two denoising steps
-on 2 and 4 ranks (TP, Ulysses, ring, TP x CP), and every rank's latents equal the unsharded pipeline's.
+FluxPipeline and WanPipeline (the built-in `wan` plan: q/k norms under tp_rms_norm), built offline from tiny
+random components (tests/support/tiny_pipelines.py), run two denoising steps on 2 and 4 ranks (TP, Ulysses,
+ring, TP x CP), and every rank's latents equal the unsharded pipeline's.
 
 One spawn per world size: each rank loads every mesh of that size for every pipeline and hands back max
 differences (the references are computed once, here, with the unsharded transformer), how often the pipeline
