@@ -6,8 +6,8 @@ With a converted checkpoint (the rest of the pipeline, text encoder and VAEs, co
     torchrun --nproc-per-node 8 examples/minimax_h3_generate.py --checkpoint ./h3-tp4 --ulysses 2 \
         --pipeline MiniMaxAI/MiniMax-H3 --prompt "A cat sings on a rooftop at dusk." --steps 30 --output out/
 
-Offline, on tiny random components (the transformer is converted by each rank itself, in a moment), checked
-against the unsharded pipeline:
+Offline, on tiny random components (rank 0 converts the tiny transformer, in a moment, and every rank loads that
+one checkpoint, as load_sharded requires), checked against the unsharded pipeline:
 
     torchrun --nproc-per-node 4 examples/minimax_h3_generate.py --tiny --tp 2 --ulysses 2 --output out/
 
@@ -44,7 +44,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--output", type=Path, default=Path("out"))
     parser.add_argument("--tiny", action="store_true", help="tiny random components, offline, checked")
     parser.add_argument("--tp", type=int, default=2, help="--tiny: the TP degree to convert for")
-    parser.add_argument("--workdir", type=Path, default=None, help="--tiny: where each rank converts (default: tmp)")
+    parser.add_argument("--workdir", type=Path, default=None, help="--tiny: where rank 0 converts (default: tmp)")
     args = parser.parse_args(argv)
     if not args.tiny and not (args.checkpoint and args.pipeline):
         parser.error("give --checkpoint and --pipeline, or --tiny")
@@ -52,18 +52,33 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _tiny_checkpoint(args: argparse.Namespace, rank: int) -> Path:
-    """Each rank converts the tiny transformer into its own folder: no rank waits for another's files."""
+    """Rank 0 converts the tiny transformer; every rank loads that one checkpoint (the ranks of a load must agree
+    on it: per-rank conversions differ in their manifests). A failure on rank 0 is raised on every rank."""
     import tempfile
+
+    import torch.distributed as dist
 
     from preshard import convert_checkpoint
     from preshard.examples.minimax_h3 import save_checkpoint
     from preshard.examples.minimax_h3_pipeline import build_transformer
+    from preshard.runtime.devices import init_rank_device
 
-    root = (args.workdir or Path(tempfile.mkdtemp(prefix="h3-tiny-"))) / f"rank{rank}"
-    source = save_checkpoint(build_transformer(), root / "transformer")
-    out = root / f"h3-tp{args.tp}"
-    convert_checkpoint(source, out, tp=args.tp, ring=args.ring or 1, ulysses=args.ulysses or 1, progress=False)
-    return out
+    init_rank_device(args.device)  # the process group load_sharded will use (torchrun's environment)
+    message: list = [None, None]  # [checkpoint, error]
+    if rank == 0:
+        try:
+            root = args.workdir or Path(tempfile.mkdtemp(prefix="h3-tiny-"))
+            source = save_checkpoint(build_transformer(), root / "transformer")
+            out = root / f"h3-tp{args.tp}"
+            convert_checkpoint(source, out, tp=args.tp, ring=args.ring or 1, ulysses=args.ulysses or 1, progress=False)
+            message[0] = str(out)
+        except Exception as exc:  # noqa: BLE001 - told to every rank, so that none waits
+            message[1] = f"{type(exc).__name__}: {exc}"
+    if dist.is_initialized():
+        dist.broadcast_object_list(message, src=0)
+    if message[1] is not None:
+        raise SystemExit(f"rank 0 could not convert the tiny transformer: {message[1]}")
+    return Path(message[0])
 
 
 def _real_pipeline(args: argparse.Namespace, transformer: torch.nn.Module):
