@@ -576,6 +576,8 @@ def attach_context_parallel(
     )  # fmt: skip
     cp_members = groups.ranks.get("cp", [groups.rank])
     cp_plan = resolve_cp_plan(model, plan)
+    config = getattr(model, "config", None)
+    plan.check_cp_config(dict(config.items()) if hasattr(config, "items") else None)
     runtime = CPRuntime(
         cp_groups,
         groups.cp,
