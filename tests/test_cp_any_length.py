@@ -446,3 +446,35 @@ def test_a_join_sum_never_equals_a_sequence():
     assert rows == 4
     assert rt.key_layout(3, "attn") == (KeySequence(3, 2), KeySequence(2, 1))
     assert rt.key_layout(4, "attn") == (KeySequence(5, 4),)
+
+
+def test_attention_masks_are_cut_into_each_ranks_key_rows_or_refused_in_one_line():
+    """A mask over the whole joined key sequence (image then text) becomes each CP rank's mask over its key rows; a
+    mask per head, one that depends on the query over the whole sequence, one of neither size, and a [queries, keys]
+    mask that is not a key mask and a query mask combined are refused naming the module."""
+    from preshard.errors import UsageError
+    from preshard.runtime.cp_attention import KeySequence
+
+    rt = _runtime(cp=2, join=("hidden_states", "encoder_hidden_states"))
+    rt.rows_for(6, "hidden_states", "image")  # 3 rows each: nothing padded
+    rt.rows_for(4, "encoder_hidden_states", "text")  # 2 rows each
+    assert rt.key_layout(5, "attn") == (KeySequence(10, 5),)  # unmasked: every key is real, the order is moot
+    layout = rt.key_layout(5, "attn", exact=True)  # masked: the keys by position
+    assert layout == (KeySequence(6, 3), KeySequence(4, 2))
+    full = torch.tensor([[True] * 6 + [True, False, True, False]])  # image 6, then text 4 with rows 1 and 3 padding
+    q = k = torch.zeros(1, 1, 5, 4)
+    masks, queries = rt._key_masks("attn", full[:, None, None, :], q, k, layout)
+    assert queries is None and masks.shape == (2, 1, 5)
+    assert masks[0, 0].tolist() == [True, True, True, True, False]  # image rows 0-2, text rows 0-1
+    assert masks[1, 0].tolist() == [True, True, True, True, False]  # image rows 3-5, text rows 2-3
+    bias = torch.where(full, 0.0, float("-inf"))
+    assert torch.equal(rt._key_masks("attn", bias, q, k, layout)[0][1, 0], bias[0, [3, 4, 5, 8, 9]])
+    for mask, says in [
+        (torch.ones(1, 2, 1, 10, dtype=torch.bool), "the same for every head"),
+        (torch.ones(1, 1, 10, 10, dtype=torch.bool), "cannot split"),
+        (torch.ones(1, 1, 1, 7, dtype=torch.bool), "the whole 10 keys or this rank's 5"),
+        (torch.eye(5, dtype=torch.bool)[None, None], "not a key mask and a query mask combined"),
+    ]:
+        with pytest.raises(UsageError, match=says) as caught:
+            rt._key_masks("blocks.0.attn", mask, q, k, layout)
+        assert "blocks.0.attn" in str(caught.value) and "\n" not in str(caught.value)
