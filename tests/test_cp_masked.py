@@ -8,8 +8,9 @@ video/image tokens and 7 text rows. Ulysses=2 and ring=2 on 2 gloo ranks, tp=2 x
 4, all equal to the unsharded model within 1e-5 in float32. Negative controls: the mask changes the unsharded
 output (it really masks), and the sharded model with its CP attention ignoring the mask is wrong. Cosmos runs
 with a timestep per sample and one per frame (Video2World: per-token embeddings, split). HunyuanVideo at ring=2
-compiles (aot_eager, fullgraph) with the mask. The token-replace I2V variant of HunyuanVideo is refused on a CP
-mesh at conversion and at load, in one line.
+compiles (aot_eager, fullgraph) with the mask, and so does the CP attention with HunyuanVideo 1.5's kind of mask
+(the model itself does not compile whole: it branches on its data). The token-replace I2V variant of HunyuanVideo
+is refused on a CP mesh at conversion and at load, in one line.
 """
 
 from __future__ import annotations
@@ -154,6 +155,24 @@ def _compiled(net, name: str, reference: torch.Tensor) -> dict:
         return {"diff": None, "breaks": None, "error": traceback.format_exc()}
 
 
+def _compiled_product_mask(net) -> dict:
+    """HunyuanVideo 1.5's kind of mask (this rank's [queries, keys], a key and a query mask combined) through the CP
+    attention compiled whole (the model itself does not compile: it branches on its data); a mask that is no such
+    product fails the check inside the graph."""
+    runtime = net._preshard_cp  # its sequence table is the last forward's: 15 video rows (8 here), 14 text (7)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 4, 15, 8, generator=g) for _ in range(3))
+    valid = torch.rand(2, 15, generator=g) > 0.3
+    valid[:, 0] = True
+    mask = valid[:, None, :, None] & valid[:, None, None, :]
+    bad = mask.clone()
+    bad[0, 0, 1, 2] = ~bad[0, 0, 1, 2]
+    torch._dynamo.reset()
+    attend = torch.compile(lambda *a: runtime.attend("attn", *a), backend="aot_eager", fullgraph=True)
+    eager = runtime.attend("attn", q, k, v, mask)
+    return {"diff": (attend(q, k, v, mask) - eager).abs().max().item(), "bad": _error(lambda: attend(q, k, v, bad))}
+
+
 def _rank(rank: int, world: int, checkpoints: dict, references: dict, meshes) -> dict:
     from tiny_builtin import build
 
@@ -177,6 +196,11 @@ def _rank(rank: int, world: int, checkpoints: dict, references: dict, meshes) ->
                     wrong = net(**inputs(name), return_dict=False)[0]
                 run["mask_ignored"] = (wrong - references[(name, 0)]).abs().max().item()
             results[(name, tp, ring, ulysses)] = run
+            if name == "hunyuanvideo15" and (tp, ring, ulysses) == (1, 1, 2):
+                net = load_sharded(cls, checkpoints[(name, tp)], ulysses=2)
+                with torch.no_grad():
+                    net(**inputs(name), return_dict=False)
+                    results["product_mask"] = _compiled_product_mask(net)
     if world == 2:
         from diffusers import HunyuanVideoTransformer3DModel
 
@@ -240,6 +264,12 @@ def test_hunyuanvideo_compiles_whole_with_the_mask_at_ring2(runs):
     for result in runs[(2, "compiled")]:
         assert result["error"] is None, result["error"]
         assert result["breaks"] == 0 and result["diff"] <= TOL, result
+
+
+def test_a_product_mask_compiles_and_a_mask_that_is_none_is_refused_in_the_graph(runs):
+    for result in runs[(2, "product_mask")]:
+        assert result["diff"] <= 1e-6, result
+        assert result["bad"] is not None and "not a key mask and a query mask combined" in result["bad"], result
 
 
 def test_token_replace_hunyuanvideo_is_refused_on_a_cp_mesh(checkpoints, runs, tmp_path):
