@@ -5,10 +5,11 @@ blocks given, or read from the widths of named sibling Linears, `blocks_from`; n
 style), attention modules whose head-count attributes are divided by the TP degree and whose attention runs
 context parallel, config keys that must divide by the TP degree, config values the plan is made for, outputs
 of replicated modules that each TP rank slices to its own heads (LTX-2's rotary embeddings), and optionally a
-CP plan (which inputs to split along the sequence and which outputs to gather) and the order in which the
+CP plan (which inputs to split along the sequence and which outputs to gather), the order in which the
 model joins split sequences for attention (`cp_join_order`, e.g. Flux's text before image: CP needs it to find
-the padded rows of each at any length). The manifest embeds the resolved plan, so the runtime needs nothing but
-the checkpoint to shard the model.
+the padded rows of each at any length) and the config values CP works for (`cp_config_requires`: HunyuanVideo's
+token-replace I2V variant treats the first frame's rows apart, which a split sequence cannot). The manifest
+embeds the resolved plan, so the runtime needs nothing but the checkpoint to shard the model.
 
 `resolve_plan` applies a plan to a checkpoint's tensor names and shapes: one `TensorLayout` each.
 """
@@ -158,6 +159,9 @@ class Plan:
     tp_split_outputs: dict[str, dict[int, SeqDim]] = field(default_factory=dict)
     # Config values the plan is made for (LTX-2's rope_type): another value is refused at conversion.
     config_requires: dict[str, Any] = field(default_factory=dict)
+    # Config values the CP plan works for, each a value or a list of the values allowed: another is refused on a
+    # CP mesh (at conversion and at load).
+    cp_config_requires: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -183,6 +187,8 @@ class Plan:
             data["config_requires"] = dict(self.config_requires)
         if self.cp_join_order is not None:
             data["cp_join_order"] = list(self.cp_join_order)
+        if self.cp_config_requires:
+            data["cp_config_requires"] = dict(self.cp_config_requires)
         return data
 
     @classmethod
@@ -196,6 +202,24 @@ class Plan:
 
     def context_parallel_attention(self) -> tuple[AttentionRule, ...]:
         return tuple(a for a in self.attention if a.context_parallel)
+
+    def check_cp_config(self, config: Mapping[str, Any] | None) -> None:
+        """The config has a value `cp_config_requires` allows for every key it names (not checked without a config).
+
+        Raises:
+            PlanError: a value the CP plan does not work for, naming the key, the values it works for and the fix.
+        """
+        if not config:
+            return
+        for key, want in self.cp_config_requires.items():
+            allowed = want if isinstance(want, list) else [want]
+            have = config.get(key)
+            if have not in allowed:
+                works = " or ".join(repr(v) for v in allowed)
+                raise PlanError(
+                    f"{self.origin}: context parallelism works for config {key} = {works}, not {have!r} (see the "
+                    "plan's description); use ring=1 and ulysses=1 (--cp 1) for this checkpoint"
+                )
 
     def norm_rules(self) -> tuple[LinearRule, ...]:
         """The rules that shard norms (`tp_rms_norm`): they name modules, which may hold no tensor at all."""
@@ -234,7 +258,7 @@ def _parse_plan(data: Any, origin: str) -> Plan:
         raise bad("must be a JSON object with 'name' and 'linear'")
     known = {
         "format", "name", "description", "model_classes", "linear", "attention", "config_divisible", "cp_plan",
-        "tp_split_outputs", "config_requires", "cp_join_order",
+        "tp_split_outputs", "config_requires", "cp_join_order", "cp_config_requires",
     }  # fmt: skip
     unknown = sorted(set(data) - known)
     if unknown:
@@ -292,6 +316,13 @@ def _parse_plan(data: Any, origin: str) -> Plan:
         isinstance(v, (str, int, float, bool)) or v is None for v in config_requires.values()
     ):
         raise bad("'config_requires' must map config keys to JSON scalars (strings, numbers, true/false, null)")
+    cp_config_requires = data.get("cp_config_requires", {})
+    scalar = (str, int, float, bool, type(None))
+    if not isinstance(cp_config_requires, dict) or not all(
+        isinstance(v, scalar) or (isinstance(v, list) and v and all(isinstance(x, scalar) for x in v))
+        for v in cp_config_requires.values()
+    ):
+        raise bad("'cp_config_requires' must map config keys to a JSON scalar or a non-empty list of them")
     join = data.get("cp_join_order")
     if join is not None:
         if (
@@ -320,6 +351,7 @@ def _parse_plan(data: Any, origin: str) -> Plan:
         origin=origin,
         tp_split_outputs=tp_split_outputs,
         config_requires=dict(config_requires),
+        cp_config_requires=dict(cp_config_requires),
     )
 
 
