@@ -6,7 +6,8 @@ One spawn of 2 gloo ranks compiles tp=2, ulysses=2 and ring=2 with aot_eager, an
 compiles tp=2 x ulysses=2. The sequence length (37) is odd, so the padding paths are the ones compiled.
 
 Graph breaks are counted two ways: `fullgraph=True` raises on the first one, and a recording backend sees
-every graph dynamo hands over (exactly one per mesh, also after a second call: no recompile) and lists the ops
+every graph dynamo hands over (exactly one per mesh, also after a second call: no recompile; plus the cross-rank
+input check's, as torch.compile(module) compiles a module's hooks as frames of their own) and lists the ops
 in it, so the tests can see the collectives in the graph (a graph without them would be a model computing the
 whole sequence on every rank, which returns the right values too).
 """
@@ -27,6 +28,7 @@ SEQ_LEN = 37
 TOL = 1e-5
 WORLD2 = [((2, 1, 1), "aot_eager"), ((1, 1, 2), "aot_eager"), ((1, 2, 1), "aot_eager"), ((1, 2, 1), "inductor")]
 WORLD4 = [((2, 1, 2), "aot_eager")]
+CHECK_OP = "preshard.check_inputs"  # the cross-rank input check's custom op
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "all_to_all_single", "wait_tensor")
 # Compiling is slow on 2 busy cores (inductor ~90 s per rank when quiet, several minutes under load).
 pytestmark = pytest.mark.timeout(1800)
@@ -54,6 +56,7 @@ def _collective_counts(ops: Counter) -> dict[str, int]:
 def _compile_runs(rank: int, world: int, checkpoints: dict[int, str], reference, cases) -> dict:
     from diffusers import MiniMaxH3Transformer3DModel as H3
 
+    from preshard.errors import InconsistentInputsError
     from preshard.runtime.load import load_sharded
 
     init_gloo()
@@ -72,14 +75,25 @@ def _compile_runs(rank: int, world: int, checkpoints: dict[int, str], reference,
             seconds = time.perf_counter() - start
             net.preshard_report.attention_rows.clear()
             second = compiled(**inputs, return_dict=False)
+            try:  # each rank its own inputs: the compiled check still refuses them, on every rank
+                compiled(**make_inputs(tiny_config(), SEQ_LEN, seed=rank), return_dict=False)
+                refused = None
+            except InconsistentInputsError as exc:
+                refused = str(exc)
+        # torch.compile(module) runs a module's hooks as frames of their own: the input check (runtime/consistency.py,
+        # the model's first pre-hook) is a graph of its one op, and the forward is the other graph.
+        checks = [ops for ops in recorder.graphs if set(ops) == {CHECK_OP}]
+        forward = [ops for ops in recorder.graphs if set(ops) != {CHECK_OP}]
         results[((tp, ring, ulysses), backend)] = {
-            "graphs": len(recorder.graphs),
+            "graphs": len(forward),
+            "check_graphs": len(checks),
             "breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
-            "collectives": _collective_counts(recorder.graphs[0]) if recorder.graphs else {},
+            "collectives": _collective_counts(forward[0]) if forward else {},
             "vs_eager": max((a - b).abs().max().item() for a, b in zip((*first, *second), (*eager, *eager))),
             "vs_unsharded": max((a - b).abs().max().item() for a, b in zip(second, reference)),
             "rows": dict(net.preshard_report.attention_rows),  # replayed by the compiled graph's side effects
             "compile_s": seconds,
+            "refused": refused,
         }
     return results
 
@@ -123,6 +137,8 @@ def _id(case) -> str:
 def test_fullgraph_compile_is_one_graph_equal_to_eager_and_unsharded(runs, case):
     for rank, run in enumerate(runs[case]):
         assert run["graphs"] == 1, f"rank {rank}: {run['graphs']} graphs (a recompile or a break)"
+        assert run["check_graphs"] == 1, run["check_graphs"]  # the input check is compiled, and kept:
+        assert run["refused"] is not None and "holds other values on ranks" in run["refused"], run["refused"]
         assert run["breaks"] == 0
         assert run["vs_eager"] <= TOL, (rank, run["vs_eager"])
         assert run["vs_unsharded"] <= TOL, (rank, run["vs_unsharded"])

@@ -638,8 +638,13 @@ ZERO_PLAN = {"name": "zero", "linear": [
 
 def _load_zero_rank(rank: int, world_size: int, checkpoint: str) -> dict:
     init_gloo()
+    from preshard.runtime.saving import local_state_dict
+
     model = load_sharded(ZeroSized, checkpoint, device="cpu")
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with local_state_dict(model):  # this rank's slices (state_dict() alone gathers the full tensors)
+        local = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    full = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"local": local, "full": full}
 
 
 @pytest.fixture(scope="module")
@@ -674,7 +679,9 @@ def test_zero_size_tensors_convert_verify_and_load(zero_sized, tmp_path, tp):
         return
     ranks = run_ranks(_load_zero_rank, 2, str(out), timeout=120)
     records = read_manifest(out).tensors
-    for rank, loaded in enumerate(ranks):
+    for rank, got in enumerate(ranks):
+        loaded = got["local"]
+        assert sorted(got["full"]) == sorted(state) and all(torch.equal(got["full"][k], state[k]) for k in state)
         for name, full in state.items():
             layout = records[name].layout
             d = layout.shard_dim

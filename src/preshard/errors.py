@@ -21,6 +21,7 @@ kinds below, or the builtin category each kind also belongs to, as they would fo
     │   ├── CheckpointFileMissingError                  FileNotFoundError
     │   └── DamagedRecord                               (internal: a resume catches it and redoes the record)
     ├── MismatchError                                   ValueError
+    │   └── InconsistentInputsError                     (the ranks of a sharded model were given other inputs)
     ├── DeviceError                                     RuntimeError
     ├── WorkerError                                     RuntimeError
     ├── ResourceError                                   MemoryError (out of memory, or no thread can start)
@@ -114,6 +115,10 @@ class MismatchError(PreshardError, ValueError):
     """The model, its config, or the running job disagrees with the checkpoint (tensors, shapes, world size)."""
 
 
+class InconsistentInputsError(MismatchError):
+    """The ranks of one sharded model were given different inputs (shapes, dtypes or values)."""
+
+
 class DeviceError(PreshardError, RuntimeError):
     """The requested device or backend is not available, or the launch does not fit it."""
 
@@ -165,6 +170,7 @@ __all__ = [
     "CorruptCheckpointError",
     "DamagedRecord",
     "DeviceError",
+    "InconsistentInputsError",
     "Interrupted",
     "MismatchError",
     "OutputError",

@@ -33,6 +33,7 @@ CATEGORIES = {
     "ChecksumMismatch": ValueError,
     "CheckpointFileMissingError": FileNotFoundError,
     "MismatchError": ValueError,
+    "InconsistentInputsError": ValueError,
     "DeviceError": RuntimeError,
     "WorkerError": RuntimeError,
     "ResourceError": MemoryError,

@@ -32,6 +32,8 @@ OPTIONAL = {
     "peft": "LoRAs (--lora, load_lora_adapter): the `lora` extra; converter/lora.py names it when missing",
     "torch_xla": "device=xla: runtime/devices.py names the pip package when missing",
     "torch_neuronx": "device=neuron: runtime/devices.py names the pip package when missing",
+    "transformers": "the tiny pipelines' text encoders (examples/minimax_h3_pipeline.py, for tests and the example's "
+    "--tiny): the `test` extra; a real diffusers pipeline needs it anyway",
     "httpx2": "huggingface_hub's own HTTP client, imported for its error type with a fallback",
 }
 

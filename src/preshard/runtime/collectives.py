@@ -41,6 +41,7 @@ __all__ = [
     "NeuronRuleChecker",
     "all_gather_bytes",
     "all_gather_cat",
+    "all_gather_equal",
     "all_reduce_sum",
     "all_to_all_equal",
     "check_backend_supports",
@@ -153,6 +154,19 @@ def all_gather_cat(tensor: torch.Tensor, group: ProcessGroup | None, dim: int) -
     dim = dim % tensor.dim()
     moved = tensor.movedim(dim, 0).contiguous()
     return _gather_dim0(moved, group, ranks, "all_gather_cat").movedim(0, dim)
+
+
+def all_gather_equal(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Stack every group rank's equal-sized `tensor` along a new dim 0, in group-rank order (small exchanges:
+    the input-consistency check, the gathers of a sharded model's state)."""
+    ranks = group_ranks(group)
+    if _ACTIVE is not None:
+        _check_equal_shapes(tensor, group, ranks, "all_gather_equal")
+        _ACTIVE._record("all_gather_equal", ranks, tensor)
+    moved = tensor.contiguous().unsqueeze(0)
+    if len(ranks) == 1:
+        return moved
+    return _gather_dim0(moved, group, ranks, "all_gather_equal")
 
 
 def _gather_dim0(moved: torch.Tensor, group: ProcessGroup | None, ranks: list[int], op: str) -> torch.Tensor:

@@ -16,6 +16,7 @@ from preshard.format.manifest import MANIFEST_NAME, Manifest
 from preshard.format.mesh import MeshSpec
 from preshard.runtime import collectives
 from preshard.runtime.agreement import agree_on_checkpoint, agree_on_outcome
+from preshard.runtime.consistency import parse_mode
 from preshard.runtime.construct import (
     build_model,
     check_against_manifest,
@@ -30,6 +31,7 @@ from preshard.runtime.held import HeldCheckpoint
 from preshard.runtime.lora import attach_lora_loading
 from preshard.runtime.reader import ShardReader
 from preshard.runtime.report import REPORT_ATTRIBUTE, LoadReport
+from preshard.runtime.surface import attach_model_surface
 from preshard.runtime.tp import parallelize_linear, parallelize_norms, split_outputs
 from preshard.units import plural
 
@@ -49,6 +51,7 @@ def load_sharded(
     revision: str | None = None,
     token: str | bool | None = None,
     subfolder: str | None = None,
+    check_inputs: bool | str = True,
 ) -> nn.Module:
     """Load this rank's shard of a converted checkpoint into `model`, with the TP and CP hooks attached.
 
@@ -71,6 +74,8 @@ def load_sharded(
         revision, token: for a Hub repo.
         subfolder: the folder inside `checkpoint` (a Hub repo or a local folder) that holds the converted checkpoint,
             e.g. "transformer" for a pipeline repo.
+        check_inputs: compare a fingerprint of the tensor inputs across ranks on every forward and refuse a
+            difference (True, the default); False skips it; "broadcast" uses rank 0's inputs on every rank.
 
     Returns:
         The model, with `model.preshard_report` describing what was read and which hooks sit where.
@@ -82,17 +87,19 @@ def load_sharded(
     """
     return _load_sharded(
         model, checkpoint, mesh=mesh, cp=cp, ring=ring, ulysses=ulysses, order=order, device=device, dtype=dtype,
-        verify=verify, revision=revision, token=token, subfolder=subfolder,
+        verify=verify, revision=revision, token=token, subfolder=subfolder, check_inputs=check_inputs,
     )  # fmt: skip
 
 
 def _load_sharded(
     model, checkpoint, *, mesh, cp, ring, ulysses, order, device, dtype, verify, revision, token, subfolder=None,
+    check_inputs=True,
     place_buffers=True,
 ) -> nn.Module:  # fmt: skip
     """`load_sharded`, with a switch tests use to leave buffers where the model put them."""
     start = time.perf_counter()
     cast = parse_cast(dtype, "dtype=")
+    input_mode = parse_mode(check_inputs)
     rank_device = init_rank_device(device)  # first: a rank of a Hub checkpoint must know its TP coordinate
 
     # Open (and hold) everything this rank reads, then agree with the other ranks that it is the same checkpoint.
@@ -105,7 +112,7 @@ def _load_sharded(
         error = exc
     try:
         agree_on_checkpoint(rank_device, held and held.manifest.digest, commit, error, str(checkpoint))
-        return _load_held(model, held, run_mesh, rank_device, cast, verify, place_buffers, start)
+        return _load_held(model, held, run_mesh, rank_device, cast, verify, place_buffers, start, input_mode)
     finally:
         if held is not None:
             held.close()
@@ -149,8 +156,9 @@ def _open_checkpoint(
 
 
 def _load_held(
-    model, held: HeldCheckpoint, run_mesh: MeshSpec, rank_device: RankDevice, cast, verify, place_buffers, start
-) -> nn.Module:
+    model, held: HeldCheckpoint, run_mesh: MeshSpec, rank_device: RankDevice, cast, verify, place_buffers, start,
+    input_mode: str,
+) -> nn.Module:  # fmt: skip
     """Build the model and read this rank's shard from the files `held` opened (every rank agreed on them)."""
     manifest, checkpoint, config = held.manifest, held.path, held.config
     groups = build_groups(run_mesh, rank_device.rank)
@@ -220,6 +228,7 @@ def _load_held(
         from preshard.runtime.cp import attach_context_parallel
 
         attach_context_parallel(net, manifest.plan, groups, rank_device, report)
+    attach_model_surface(net, manifest, run_mesh, groups, rank_device, input_mode, report)
     net.requires_grad_(False)
     report.total_seconds = time.perf_counter() - start
     setattr(net, REPORT_ATTRIBUTE, report)

@@ -31,6 +31,7 @@ class LoadReport:
     files_read: list[str] = field(default_factory=list)
     verified: bool = False
     attention_rows: Mapping[str, int] = field(default_factory=dict)  # query rows each CP attention saw, last forward
+    input_check: str | None = None  # what every forward does with the inputs across ranks (None: one rank)
     read_seconds: float = 0.0
     total_seconds: float = 0.0
 
