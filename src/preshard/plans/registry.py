@@ -49,6 +49,24 @@ def builtin_plan_for_class(class_name: str | None) -> Plan | None:
     return None
 
 
+def vouched_for(plan: Plan, config: dict[str, Any] | None) -> bool:
+    """Whether `plan` is a built-in plan (as shipped) made for the checkpoint's model class (config.json's
+    `_class_name` among its `model_classes`).
+
+    Why: checking a plan's attention rules against the model class imports diffusers and builds the model on
+    the meta device (about 2 CPU s, more than converting a small checkpoint). For a built-in plan the test suite
+    does that check for every TP degree once and for all: every attribute such a plan divides exists on its
+    classes, and divides whenever the checks made from the checkpoint alone pass (its `config_divisible` keys
+    and the split dimensions of its Linear layers). Conversion can then skip it.
+    """
+    class_name = (config or {}).get("_class_name")
+    if not isinstance(class_name, str) or class_name not in plan.model_classes:
+        return False
+    if plan.name not in builtin_plan_names():
+        return False
+    return load_plan(plan.name).to_dict() == plan.to_dict()
+
+
 def choose_plan(plan: str | Path | Plan | None, config: dict[str, Any] | None) -> Plan:
     """The plan a conversion uses: the one given; else a built-in plan for config.json's `_class_name`; else the
     plan the diffusers class declares (`_tp_plan`), read from the class built on the meta device.
