@@ -14,6 +14,7 @@ from torch import nn
 from preshard.converter.convert import convert_checkpoint
 from preshard.errors import PlanError
 from preshard.format.manifest import read_manifest
+from preshard.format.plan import Plan
 from preshard.plans.from_model import plan_from_model, plan_from_model_class
 
 TOL = 1e-5  # float32; measured max abs diff is ~1e-6
@@ -217,3 +218,55 @@ def test_the_builtin_minimax_plan_carries_the_cp_plan_the_class_declares():
     from preshard.plans.registry import load_plan
 
     assert load_plan("minimax-h3").cp_plan == cp_plan_from_diffusers(MiniMaxH3Transformer3DModel._cp_plan)
+
+
+def test_builtin_plans_need_no_model_check_for_their_own_classes():
+    """Conversion skips the check of a plan's attention rules against the model class (diffusers imported, the
+    model built on the meta device: ~2 CPU s) for a built-in plan made for the checkpoint's class
+    (`vouched_for`). That is sound because of this: for every built-in plan and class, at every TP degree the
+    checks made from the checkpoint alone accept (the plan's splits, its `config_divisible` keys), the model
+    check accepts too; and a degree the model check refuses, the checkpoint checks refuse as well."""
+    import diffusers
+
+    from preshard.format.plan import resolve_plan
+    from preshard.plans.from_model import build_on_meta, check_plan_against_model
+    from preshard.plans.registry import builtin_plan_names, load_plan, vouched_for
+
+    checked = 0
+    for plan_name in builtin_plan_names():
+        plan = load_plan(plan_name)
+        for class_name in plan.model_classes:
+            cls = getattr(diffusers, class_name, None)
+            if cls is None:
+                continue
+            model = build_on_meta(cls, {})
+            config = {"_class_name": class_name, **{k: v for k, v in model.config.items() if not k.startswith("_")}}
+            assert vouched_for(plan, config)
+            shapes = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
+            for tp in range(1, 17):
+                try:
+                    resolve_plan(plan, shapes, tp, config=config)
+                except PlanError:
+                    data_ok = False
+                else:
+                    data_ok = True
+                try:
+                    check_plan_against_model(plan, config, tp, cp=2 if plan.cp_plan else 1)
+                except PlanError:
+                    model_ok = False
+                else:
+                    model_ok = True
+                assert model_ok or not data_ok, f"{plan_name} for {class_name} at tp={tp}: only the model check refuses"
+                checked += 1
+    assert checked >= 16
+
+
+def test_a_plan_file_or_another_class_is_still_checked_against_the_model():
+    from preshard.plans.registry import load_plan, vouched_for
+
+    plan = load_plan("minimax-h3")
+    assert vouched_for(plan, {"_class_name": "MiniMaxH3Transformer3DModel"})
+    assert not vouched_for(plan, {"_class_name": "FluxTransformer2DModel"})  # a built-in plan, another class
+    assert not vouched_for(plan, None)
+    edited = Plan.from_dict({**plan.to_dict(), "config_divisible": []}, origin="plan file p.json")
+    assert not vouched_for(edited, {"_class_name": "MiniMaxH3Transformer3DModel"})  # not as shipped
