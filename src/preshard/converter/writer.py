@@ -141,8 +141,8 @@ class RecordFileWriter:
             pread_into(self.fd, self._base, [self._view[: self._fill]], self.path.name)
 
     def _write(self, data) -> None:
-        """Stage `data` (bytes, or a uint8 tensor: 1-D, or 2-D with contiguous rows), hashing it, and write out
-        every full stage."""
+        """Stage `data` (bytes, a 1-D uint8 numpy array, or a uint8 tensor: 1-D, or 2-D with contiguous rows),
+        hashing it, and write out every full stage."""
         self._ensure_stage()
         if isinstance(data, torch.Tensor):
             self._put_tensor(data)
@@ -223,6 +223,11 @@ class RecordFileWriter:
             self._view[:tail] = self._view[keep_from : self._fill]
         self._base += keep_from
         self._fill = tail
+
+    def append(self, data) -> None:
+        """Append bytes that belong to no record (as `write` takes them): a plain file, such as the safetensors files
+        `unshard` rebuilds, written and hashed the same way as the records."""
+        self._write(data)
 
     def begin(self, chunk: ChunkRecord) -> None:
         if chunk.offset != self.position:
