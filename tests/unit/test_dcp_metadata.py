@@ -75,7 +75,9 @@ def test_the_pickle_is_torchs_at_the_picklers_batch_boundaries(count, tp):
 
 @pytest.mark.parametrize("base", [2**31 - 100, 2**32 + 5, 2**40])
 def test_offsets_past_the_picklers_small_integers(base):
-    manifest = _manifest([("a.weight", "rowwise", (4, 8), torch.bfloat16), ("s", "replicate", (), torch.float32)], 2, base)
+    manifest = _manifest(
+        [("a.weight", "rowwise", (4, 8), torch.bfloat16), ("s", "replicate", (), torch.float32)], 2, base
+    )
     assert dcp_metadata.dcp_metadata_bytes(manifest) == _torch_pickle(manifest)
 
 
