@@ -1,7 +1,9 @@
-"""The command-line conventions, one test each: --version on both entry points, --json on inspect/verify/plan,
-one progress flag spelling (on by default on a terminal, plain lines otherwise, huggingface_hub's bars following
-it), exit codes in --help and README (0 ok, 1 verify found problems, 2 usage or input error, 130/143 interrupted),
-and `inspect` naming a missing path."""
+"""The command-line conventions, one test each: --version on both entry points; --json, --quiet/-q and
+--progress/--no-progress on every command (--json: one object of what the command did), --dry-run on every command
+that writes, --subfolder/--revision/--token wherever a Hub id is accepted; one progress flag spelling (on by default
+on a terminal, plain lines otherwise, huggingface_hub's bars following it); a finished identical conversion re-run
+exits 0 ("already converted"), a resumed one says what it kept; exit codes in --help and README (0 ok, 1 verify
+found problems, 2 usage or input error, 130/143 interrupted); and `inspect` naming a missing path."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from clitools import cli_runner
 
 from preshard import __version__
 from preshard.cli import _hub_progress, convert_checkpoint_command, main
+from preshard.format.manifest import read_manifest
 from preshard.progress import Progress
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,14 +63,122 @@ def test_exit_codes_are_in_every_help_and_in_the_readme():
         assert re.search(rf"\|\s*`?{code}`?\s*\|", section), code
 
 
+COMMANDS = ["convert", "inspect", "verify", "reshard", "unshard", "plan", "demo"]
+HUB_ID_COMMANDS = ["convert", "inspect", "verify", "reshard", "unshard", "plan"]
+
+
+def _options(args: list[str]) -> set[str]:
+    run = cli_runner().invoke(main, [*args, "--help"])
+    assert run.exit_code == 0, run.stderr
+    return set(re.findall(r"(--[a-z][a-z-]*|-q)\b", run.stdout))
+
+
+def test_every_command_has_the_output_options_and_the_writers_a_dry_run():
+    for command in COMMANDS:
+        options = _options([command])
+        assert {"--json", "--quiet", "-q", "--progress", "--no-progress"} <= options, (command, options)
+        if command in ("convert", "reshard", "unshard"):
+            assert "--dry-run" in options, command
+        if command in HUB_ID_COMMANDS:
+            assert {"--subfolder", "--revision", "--token"} <= options, (command, options)
+    assert "--workers" in _options(["reshard"]) and "--workers" in _options(["convert"])
+
+
+def test_quiet_prints_nothing_and_json_one_object(source, checkpoint, tmp_path):
+    runs = {
+        "inspect": ["inspect", str(checkpoint)],
+        "verify": ["verify", str(checkpoint)],
+        "plan": ["plan", str(source), "--devices", "2"],
+        "convert": ["convert", str(source), str(tmp_path / "c"), "--tp", "2"],
+        "reshard": ["reshard", str(checkpoint), str(tmp_path / "r"), "--tp", "1"],
+        "unshard": ["unshard", str(checkpoint), str(tmp_path / "u")],
+        "reshard dry run": ["reshard", str(checkpoint), str(tmp_path / "r2"), "--tp", "1", "--dry-run"],
+        "unshard dry run": ["unshard", str(checkpoint), str(tmp_path / "u2"), "--dry-run"],
+    }
+    for name, args in runs.items():
+        quiet = cli_runner().invoke(main, [*args, "-q"])
+        assert quiet.exit_code == 0 and quiet.stdout == "" and quiet.stderr == "", (name, quiet.stdout, quiet.stderr)
+    for name, args in runs.items():
+        args = [*args, "--overwrite"] if name in ("convert", "reshard", "unshard") else args
+        run = cli_runner().invoke(main, [*args, "--json"])
+        assert run.exit_code == 0, (name, run.stderr)
+        data = json.loads(run.stdout)  # exactly one JSON document
+        assert isinstance(data, dict) and data["command"] == name.split()[0], (name, data)
+    assert not (tmp_path / "r2").exists() and not (tmp_path / "u2").exists()  # dry runs write nothing
+    unsharded = json.loads(
+        cli_runner().invoke(main, ["unshard", str(checkpoint), str(tmp_path / "u3"), "--json"]).stdout
+    )
+    assert unsharded["bytes"] == sum(f["size"] for f in unsharded["files"]) > 0
+
+
+def test_an_identical_finished_conversion_is_already_converted(source, tmp_path):
+    out = tmp_path / "out"
+    args = [str(source), str(out), "--tp", "2", "--no-progress"]
+    first = cli_runner().invoke(convert_checkpoint_command, [*args, "--json"])
+    assert first.exit_code == 0 and json.loads(first.stdout)["status"] == "converted", first.stderr
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    again = cli_runner().invoke(convert_checkpoint_command, args)
+    assert again.exit_code == 0 and again.stdout.startswith("already converted: nothing to do"), again.stdout
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before  # nothing rewritten
+    data = json.loads(cli_runner().invoke(convert_checkpoint_command, [*args, "--json"]).stdout)
+    assert data["status"] == "already converted" and data["manifest_digest"] == read_manifest(out).digest
+    # anything different still needs --overwrite: another mesh, another cast, other source bytes
+    for changed in (["--ulysses", "2"], ["--dtype", "fp32"]):
+        other = cli_runner().invoke(convert_checkpoint_command, [*args, *changed])
+        assert other.exit_code == 2 and "already exists; pass --overwrite" in other.stderr, (changed, other.stderr)
+
+
+def test_a_source_with_other_bytes_is_not_already_converted(tiny_sources, tmp_path):
+    """Same names, sizes and headers, one data byte flipped: the source hashes differ (the negative control for a
+    check that would look at the headers only)."""
+    import shutil
+
+    source = Path(shutil.copytree(tiny_sources("float32"), tmp_path / "src"))
+    out = tmp_path / "out"
+    args = [str(source), str(out), "--tp", "2", "--no-progress"]
+    assert cli_runner().invoke(convert_checkpoint_command, args).exit_code == 0
+    weights = next(source.glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 0x01
+    weights.write_bytes(bytes(data))
+    other = cli_runner().invoke(convert_checkpoint_command, args)
+    assert other.exit_code == 2 and "already exists; pass --overwrite" in other.stderr, other.stdout
+
+
+def test_a_resumed_conversion_says_what_it_kept(source, tmp_path, monkeypatch):
+    from preshard.converter import convert
+
+    out = tmp_path / "out"
+    args = [str(source), str(out), "--tp", "2", "--no-progress"]
+    monkeypatch.setattr(convert, "SYNC_MIN_BYTES", 1)  # journal after every tensor
+    written: list[str] = []
+
+    def crash(name: str) -> None:
+        written.append(name)
+        if len(written) == 30:
+            raise RuntimeError("simulated crash")
+
+    monkeypatch.setattr(convert, "_after_tensor_hook", crash)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        convert.convert_checkpoint(source, out, tp=2, progress=False)
+    monkeypatch.setattr(convert, "_after_tensor_hook", None)
+    resumed = cli_runner().invoke(convert_checkpoint_command, [*args, "--json"])
+    assert resumed.exit_code == 0, resumed.stderr
+    data = json.loads(resumed.stdout)
+    assert data["status"] == "resumed" and 1 <= data["kept_tensors"] <= 30 and data["kept_bytes"] > 0, data
+    text = cli_runner().invoke(convert_checkpoint_command, [*args, "--overwrite"]).stdout
+    assert "; resumed: kept" not in text  # a fresh conversion (nothing to keep) says nothing of the kind
+
+
 def test_inspect_json(checkpoint):
     run = cli_runner().invoke(main, ["inspect", str(checkpoint), "--json"])
     assert run.exit_code == 0, run.stderr
     data = json.loads(run.stdout)
     assert data["mesh"]["tp"] == 2 and len(data["files"]) == 2 and len(data["tp_ranks"]) == 2
-    assert (
-        data["tp_ranks"][0]["read_bytes"] == data["tp_ranks"][0]["own_bytes"] + data["tp_ranks"][0]["replicated_bytes"]
-    )
+    first = data["tp_ranks"][0]
+    framing = sum(len(c.framing.header) for cs in read_manifest(checkpoint).chunks_for_tp_rank(0).values() for c in cs)
+    assert first["read_bytes_per_rank"] == first["own_bytes"] + first["replicated_bytes"] + framing
+    assert data["read_bytes_per_rank"] == max(r["read_bytes_per_rank"] for r in data["tp_ranks"])
 
 
 def test_verify_json_exit_0_and_1(checkpoint, private_copy):
@@ -88,7 +199,9 @@ def test_verify_json_exit_0_and_1(checkpoint, private_copy):
 def test_plan_json(source):
     run = cli_runner().invoke(main, ["plan", str(source), "--devices", "2", "--device-memory", "1", "--json"])
     assert run.exit_code == 0, run.stderr
-    meshes = json.loads(run.stdout)
+    report = json.loads(run.stdout)
+    meshes = report["meshes"]
+    assert report["command"] == "plan" and report["recommended"]["recommended"] is True
     assert {(m["tp"], m["ring"], m["ulysses"]) for m in meshes} == {(1, 1, 2), (1, 2, 1), (2, 1, 1)}
     assert sum(m["recommended"] for m in meshes) == 1 and all(m["fits"] for m in meshes)
 

@@ -1,7 +1,7 @@
 """The converter: bit-exact round trips through torch's own DCP readers, each rank's file holding exactly
 its slices, the mesh layout, plans, --dtype, and the CLI's one-line errors.
 
-Expected slices are computed here by hand from the styles' definitions in DESIGN.md (never with
+Expected slices are computed here by hand from the styles' definitions in docs/design.md (never with
 preshard's own slicing code), and every read of the converted files goes through torch or raw bytes.
 """
 
@@ -593,6 +593,8 @@ def test_inspect_prints_mesh_files_and_bytes_per_rank(mixed):
         row = [line.split() for line in text.splitlines() if line.split()[:1] == [str(r)]]
         assert row, text
         joined = " ".join(row[-1])
-        for amount in (own, shared, own + shared):
+        # the reads: own + replicated data and each record's framing header, as plan and the load report count them
+        framing = sum(len(c.framing.header) for cs in manifest.chunks_for_tp_rank(r).values() for c in cs)
+        for amount in (own, shared, own + shared + framing):
             assert human_bytes(amount) in joined, (amount, joined)
         assert joined.endswith(ranks_of[r])

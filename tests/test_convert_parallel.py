@@ -400,7 +400,7 @@ def test_direct_source_reads_give_the_same_bytes_and_hashes(source, reference, t
         assert (
             direct.file_hashes()
             == cached.file_hashes()
-            == {p.name: reader_module.hash_file(p) for p in src.input_paths()}
+            == {p.name: reader_module.hash_file(p) for p in src.input_paths() if p.is_file()}
         )
     finally:
         direct.close()

@@ -137,9 +137,22 @@ class _AcrossHeadsModel(nn.Module):
         self.blocks = nn.ModuleList([_AcrossHeadsAttention()])
 
 
-def test_a_norm_across_all_heads_is_refused_naming_the_module():
-    with pytest.raises(PlanError, match=r"blocks\.0\.norm_q normalises across all 32 features .* cannot be sharded"):
+def test_a_norm_across_all_heads_is_refused_naming_the_module_and_the_style_to_use():
+    with pytest.raises(
+        PlanError,
+        match=r"blocks\.0\.norm_q normalises across all 32 features of the column-split blocks\.0\.to_q \(every "
+        r'head at once\), .* shard it with the tp_rms_norm style: add \{"match": "blocks\.\*\.norm_q", "style": '
+        r'"tp_rms_norm"\}',
+    ):
         plan_from_model(_AcrossHeadsModel())
+
+    class LayerNormModel(_AcrossHeadsModel):  # a norm no TP style splits: refused, saying so
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks[0].norm_q = nn.LayerNorm(32)
+
+    with pytest.raises(PlanError, match=r"blocks\.0\.norm_q .* it is a LayerNorm, and tp_rms_norm knows .* cannot be"):
+        plan_from_model(LayerNormModel())
 
 
 def test_a_plan_rule_on_something_else_than_a_linear_is_refused():

@@ -181,7 +181,9 @@ def test_plan_and_dry_run_by_repo_id_download_no_weights(
     dry = cli("convert", REPO, str(parent / "out"), "--subfolder", SUB, "--tp", "2", "--dry-run")
 
     assert hub_plan.exit_code == local_plan.exit_code == dry.exit_code == 0, hub_plan.stderr + dry.stderr
-    assert json.loads(hub_plan.stdout) == json.loads(local_plan.stdout)  # the same figures from headers alone
+    hub_figures, local_figures = json.loads(hub_plan.stdout), json.loads(local_plan.stdout)
+    assert hub_figures.pop("source").startswith("Hub repo") and local_figures.pop("source")
+    assert hub_figures == local_figures  # the same figures from headers alone
     assert "nothing downloaded" in dry.stdout and "the download comes on top" in dry.stdout
     assert list(parent.iterdir()) == []
     # Only config.json and the index came whole; the weight files only as header ranges.
@@ -325,3 +327,51 @@ def test_load_sharded_by_repo_id_on_a_tp2_x_ulysses2_mesh(fake_hub: FakeHub, hf_
         assert set(ranged_gets(fake_hub, repo, f"rank{rank}")) <= {f"__{1 - tp}_0.distcp"}
     assert full_gets(fake_hub, repo) == {"manifest.json", ".metadata", "config.json", "__0_0.distcp", "__1_0.distcp"}
     assert not any("README" in r.path for r in fake_hub.log())
+
+
+def test_a_checkpoint_in_a_subfolder_of_a_hub_repo(fake_hub: FakeHub, hf_env: HfEnv, converted, tmp_path: Path):
+    """--subfolder/subfolder= wherever a Hub id is accepted: inspect fetches only the subfolder's manifest.json,
+    fetch_rank_files (load_sharded) only the subfolder's files of this rank, reshard/unshard the subfolder's files;
+    nothing outside the subfolder."""
+    local = converted("mixed", 2)
+    repo = "org/pipeline"
+    fake_hub.add_repo(repo, folder_files(local, "transformer/") | {"vae/config.json": b"{}", "README.md": b"# p\n"})
+
+    run = cli_runner().invoke(main, ["inspect", repo, "--subfolder", "transformer", "--json"])
+    assert run.exit_code == 0, run.stderr
+    assert json.loads(run.stdout)["digest"] == read_manifest(local).digest
+    assert full_gets(fake_hub, repo) == {"transformer/manifest.json"}
+
+    fake_hub.clear_log()
+    folder = fetch_rank_files(repo, tp_rank=0, subfolder="transformer")
+    # manifest.json came with inspect: the HF cache serves it now
+    assert full_gets(fake_hub, repo) == {f"transformer/{n}" for n in (".metadata", "config.json", "__0_0.distcp")}
+    assert set(ranged_gets(fake_hub, repo)) == {"transformer/__1_0.distcp"}
+    assert folder.name == "transformer--tp0-of-2"
+    assert (folder / "__0_0.distcp").read_bytes() == (local / "__0_0.distcp").read_bytes()
+
+    out = tmp_path / "tp1"
+    done = cli_runner().invoke(main, ["reshard", repo, str(out), "--subfolder", "transformer", "--tp", "1", "--json"])
+    assert done.exit_code == 0, done.stderr
+    assert json.loads(done.stdout)["command"] == "reshard" and read_manifest(out).tp == 1
+    back = cli_runner().invoke(main, ["unshard", repo, str(tmp_path / "u"), "--subfolder", "transformer", "-q"])
+    assert back.exit_code == 0 and back.stdout == "", back.stderr
+    assert not any(r.path.startswith(f"/{repo}/resolve/") and "/vae/" in r.path for r in fake_hub.log())
+    missing = cli_runner().invoke(main, ["inspect", repo, "--subfolder", "nope"])
+    assert missing.exit_code == 2 and missing.stderr.startswith("error: ") and len(missing.stderr.splitlines()) == 1
+
+
+def test_load_sharded_subfolder_local_and_hub(fake_hub: FakeHub, hf_env: HfEnv, converted, tmp_path: Path):
+    from diffusers import MiniMaxH3Transformer3DModel as H3
+
+    from preshard.runtime.load import load_sharded
+
+    local = converted("mixed", 1)
+    reference = load_sharded(H3, local, device="cpu").state_dict()
+    fake_hub.add_repo("org/pipe1", folder_files(local, "transformer/"))
+    parent = tmp_path / "pipeline"
+    parent.mkdir()
+    (parent / "transformer").symlink_to(local, target_is_directory=True)
+    for where in ("org/pipe1", str(parent)):
+        loaded = load_sharded(H3, where, subfolder="transformer", device="cpu").state_dict()
+        assert set(loaded) == set(reference) and all(torch.equal(loaded[k], reference[k]) for k in reference), where

@@ -154,6 +154,24 @@ def test_weights_per_rank_match_a_hand_count_and_adaln_replicated_never_fits(h3_
     assert replicated.recommended is None and "no mesh fits" in replicated.reason
 
 
+def test_smallest_fitting_mesh_leaves_the_recommendations_headroom(h3_full):
+    """The README model table's "smallest TP" per device size: the first TP degree whose weights leave 20 % free
+    (24 GiB: tp=4 at 15.57 GiB, as the recommendation; tp=2's 30.95 GiB would not even fit 32 GiB with headroom)."""
+    from preshard.errors import UsageError
+    from preshard.tools.planner import smallest_fitting
+
+    report = plan_meshes(h3_full[0])
+    assert {gib: smallest_fitting(report, gib).tp for gib in (24, 32, 40, 80, 141)} == {
+        24: 4, 32: 4, 40: 2, 80: 1, 141: 1
+    }  # fmt: skip
+    assert smallest_fitting(report, 31, headroom=0).tp == 2  # 30.95 GiB fits 31 with nothing to spare
+    assert smallest_fitting(report, 1) is None  # 1.28 GiB at tp=56 leaves under 20 % of 1 GiB
+    assert plan_meshes(h3_full[0], device_memory_gib=24).recommended.tp == smallest_fitting(report, 24).tp
+    for bad in ({"device_memory_gib": 0}, {"device_memory_gib": 24, "headroom": 1.0}):
+        with pytest.raises(UsageError):
+            smallest_fitting(report, **bad)
+
+
 def test_plan_figures_equal_a_real_conversion(tiny_sources, converted):
     source = tiny_sources("mixed")
     for tp in (1, 2, 4):
@@ -161,8 +179,9 @@ def test_plan_figures_equal_a_real_conversion(tiny_sources, converted):
         mesh = next(m for m in plan_meshes(source).meshes if m.tp == tp)
         assert mesh.disk_bytes == sum(f.size for f in manifest.files)
         assert mesh.largest_file_bytes == max(f.size for f in manifest.files)
+        # what the shard reader reads: each record's framing header and its data (not the trailer)
         reads = [
-            sum(c.framing.length for chunks in manifest.chunks_for_tp_rank(r).values() for c in chunks)
+            sum(len(c.framing.header) + c.data_length for cs in manifest.chunks_for_tp_rank(r).values() for c in cs)
             for r in range(tp)
         ]
         assert mesh.read_bytes_per_rank == max(reads)
@@ -174,7 +193,7 @@ def test_plan_json_meshes_fill_the_devices_and_the_cast_is_counted(h3_full):
     folder, tensors, _ = h3_full
     run = cli_runner().invoke(main, ["plan", str(folder), "--devices", "8", "--json"])
     assert run.exit_code == 0, run.stderr
-    meshes = json.loads(run.stdout)
+    meshes = json.loads(run.stdout)["meshes"]
     required = {"tp", "ring", "ulysses", "weight_bytes_per_rank", "fits"}
     assert all(required <= set(m) for m in meshes)
     splits = {(m["tp"], m["ring"], m["ulysses"]) for m in meshes}
@@ -215,7 +234,7 @@ def test_dry_run_writes_nothing_and_predicts_the_output(tiny_sources, tmp_path: 
     assert _listing(parent) == before  # not even the probe's temporary file is left
     text = dry.stdout
     assert text.startswith("dry run: nothing was written")
-    assert "tp=2 x ring=1 x ulysses=1" in text and "-> ok" in text and "time:      at least" in text
+    assert "tp=2 x ring=1 x ulysses=1" in text and "-> ok" in text and "time:      about" in text
 
     real = cli_runner().invoke(
         convert_checkpoint_command, [str(source), str(parent / "out"), "--tp", "2", "--no-progress"]
@@ -238,18 +257,43 @@ def test_dry_run_json_gives_the_same_figures_and_json_needs_dry_run(tiny_sources
     assert report["mesh"]["tp"] == 2 and report["mesh"]["ulysses"] == 2 and report["world_size"] == 4
     assert report["fits_disk"] is True and report["space_error"] is None
     assert report["weight_bytes_per_rank"] == report["own_bytes_per_rank"] + report["replicated_bytes_per_rank"]
-    assert report["estimate_seconds_at_least"] > 0 and report["probe_bytes_per_second"]["write_fsync"] > 0
+    assert report["estimate_seconds"] > 0 and report["estimate"]["probe"]["write"] > 0
+    assert report["command"] == "convert" and report["status"] == "dry run"
 
-    alone = cli_runner().invoke(convert_checkpoint_command, [*args, "--json", "--no-progress"])
-    assert alone.exit_code == 2 and alone.stderr.strip() == (
-        "error: --json goes with --dry-run (a conversion prints one summary line); add --dry-run or drop --json"
-    )
     assert not out.exists()
-    real = cli_runner().invoke(convert_checkpoint_command, [*args, "--no-progress"])
+    real = cli_runner().invoke(convert_checkpoint_command, [*args, "--no-progress", "--json"])
     assert real.exit_code == 0, real.stderr
+    done = json.loads(real.stdout)  # a real conversion's one object: what it wrote
+    assert done["status"] == "converted" and done["manifest_digest"] == read_manifest(out).digest
+    assert done["data_bytes"] == sum(f.size for f in read_manifest(out).files) and done["seconds"] > 0
     sizes = [(out / f.name).stat().st_size for f in read_manifest(out).files]
     assert report["data_file_bytes"] == sizes  # exact, from the record layout
     assert report["needed_bytes"] >= sum(sizes)
+
+
+def test_read_bytes_have_one_definition_and_one_key(tiny_sources, converted, tmp_path: Path):
+    """plan, convert --dry-run and inspect give the same bytes a rank reads at load, under `read_bytes_per_rank`:
+    each record's framing header and data, counted here by hand (the load report's equality: tests/test_load.py)."""
+    source = tiny_sources("mixed")
+    manifest = read_manifest(converted("mixed", 2))
+    by_hand = max(
+        sum(len(c.framing.header) + c.data_length for cs in manifest.chunks_for_tp_rank(r).values() for c in cs)
+        for r in range(2)
+    )
+    plan = json.loads(cli_runner().invoke(main, ["plan", str(source), "--devices", "2", "--json"]).stdout)
+    (mesh,) = [m for m in plan["meshes"] if m["tp"] == 2]
+    dry = cli_runner().invoke(
+        convert_checkpoint_command, [str(source), str(tmp_path / "o"), "--tp", "2", "--dry-run", "--json"]
+    )
+    inspected = cli_runner().invoke(main, ["inspect", str(converted("mixed", 2)), "--json"])
+    figures = {
+        "plan": mesh["read_bytes_per_rank"],
+        "dry run": json.loads(dry.stdout)["read_bytes_per_rank"],
+        "inspect": json.loads(inspected.stdout)["read_bytes_per_rank"],
+    }
+    assert set(figures.values()) == {by_hand}, (figures, by_hand)
+    data_only = max(sum(c.data_length for cs in manifest.chunks_for_tp_rank(r).values() for c in cs) for r in range(2))
+    assert by_hand > data_only  # the framing counts: the negative control for a data-only count
 
 
 def _no_space(monkeypatch: pytest.MonkeyPatch, free_bytes: int) -> None:

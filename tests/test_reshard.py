@@ -518,3 +518,17 @@ def test_reshard_peak_memory_is_bounded_by_the_largest_tensor(tmp_path):
         f"{extra / MiB:.0f} MiB; largest tensor {largest / MiB:.0f} MiB, checkpoint {total / MiB:.0f} MiB"
     )
     assert extra < largest + ALLOWED_EXTRA, detail
+
+
+def test_reshard_with_workers_writes_the_same_bytes(tmp_path, converted):
+    """--workers on reshard, as on convert: two processes write the new data files; the output is the one a single
+    process writes, byte for byte (created/derived_from aside). More workers than TP ranks is refused."""
+    single = reshard_checkpoint(converted("mixed", 4), tmp_path / "one", tp=2, progress=False)
+    done = CliRunner().invoke(
+        cli_main, ["reshard", str(converted("mixed", 4)), str(tmp_path / "two"), "--tp", "2", "--workers", "2", "-q"]
+    )
+    assert done.exit_code == 0 and done.output == "", done.output
+    _assert_same_as_direct(tmp_path / "two", tmp_path / "one")
+    assert read_manifest(tmp_path / "two").digest != "" and single.tp == 2
+    with pytest.raises(UsageError, match="--workers 3 is more than --tp 2"):
+        reshard_checkpoint(converted("mixed", 4), tmp_path / "three", tp=2, workers=3)

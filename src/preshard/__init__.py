@@ -5,15 +5,24 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from preshard.errors import (
+    CheckpointFileMissingError,
+    CheckpointNotFoundError,
     ChecksumMismatch,
     CorruptCheckpointError,
     DeviceError,
     Interrupted,
     MismatchError,
     OutputError,
+    OutputExistsError,
+    OutputLockedError,
+    OutputPermissionError,
     PlanError,
     PreshardError,
+    ResourceError,
+    SourceAccessError,
     SourceError,
+    SourceNotFoundError,
+    SourceUnreachableError,
     UsageError,
     WorkerError,
 )
@@ -27,6 +36,8 @@ if TYPE_CHECKING:
     from preshard.tools.verify import VerifyResult, verify_checkpoint
 
 __all__ = [
+    "CheckpointFileMissingError",
+    "CheckpointNotFoundError",
     "ChecksumMismatch",
     "CorruptCheckpointError",
     "DeviceError",
@@ -35,10 +46,17 @@ __all__ = [
     "MeshSpec",
     "MismatchError",
     "OutputError",
+    "OutputExistsError",
+    "OutputLockedError",
+    "OutputPermissionError",
     "Plan",
     "PlanError",
     "PreshardError",
+    "ResourceError",
+    "SourceAccessError",
     "SourceError",
+    "SourceNotFoundError",
+    "SourceUnreachableError",
     "UsageError",
     "VerifyResult",
     "WorkerError",

@@ -4,13 +4,12 @@ Exit status: 0 success; 1 `verify` found problems; 2 a usage or input error (one
 traceback); 130 interrupted by SIGINT, 143 by SIGTERM (a conversion keeps its finished part: re-run the
 same command to resume).
 
-Conventions: `--help`/`-h` on every command (with the exit codes), `--version` on both entry points, `--json`
-where a program may read the output (inspect, verify, plan, convert --dry-run), and `--progress/--no-progress`
-where there is long work measured in bytes (convert, verify: on by default when stderr is a terminal, plain
-periodic lines when it is not; it also switches huggingface_hub's download bars). `inspect` and `plan` have none:
-they read a manifest or safetensors headers and finish in moments. `demo` has none: it prints each of its steps as
-a numbered line, its conversion of a few MB takes well under a second, and its long step (the torchrun job) has no
-byte count to show.
+Conventions, the same on every command: `--help`/`-h` (with the exit codes); `--version` on both entry points;
+`--json` (one JSON object on stdout saying what the command did or found, nothing else there); `--quiet`/`-q`
+(nothing on stdout but that JSON when asked for, no progress; errors still go to stderr); `--progress/--no-progress`
+(on by default when stderr is a terminal, plain periodic lines when it is not; it also switches huggingface_hub's
+download bars); `--subfolder/--revision/--token` wherever a Hub repo id is accepted; `--dry-run` on the commands
+that write (convert, reshard, unshard).
 """
 
 from __future__ import annotations
@@ -21,14 +20,15 @@ import gc
 import json
 import signal
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import click
 
 from preshard import __version__
-from preshard.converter.signals import raising_signals
-from preshard.errors import Interrupted, PreshardError
+from preshard.converter.signals import interruption, raising_signals, received_signal
+from preshard.errors import Interrupted, PreshardError, ResourceError
 
 EXIT_PROBLEMS, EXIT_USAGE = 1, 2
 EXIT_CODES_HELP = (
@@ -38,6 +38,9 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
 
 
 def _fail(message: str, status: int = EXIT_USAGE) -> None:
+    signum = received_signal()
+    if signum is not None and status != 128 + signum:  # the signal came first: its exception may have been swallowed
+        message, status = str(interruption(signum)), 128 + signum
     click.echo(f"error: {message}", err=True)
     sys.exit(status)
 
@@ -59,6 +62,13 @@ def user_errors(fn):
             _fail(f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
         except KeyboardInterrupt:
             _fail("interrupted", 128 + signal.SIGINT)
+        except Exception as exc:
+            if received_signal() is not None:  # what broke after a signal (a module it left half-imported): the signal
+                _fail("interrupted")  # is the cause, and _fail reports it
+            resource = ResourceError.of(exc, f"running {fn.__name__.removesuffix('_command')}")
+            if resource is None:
+                raise
+            _fail(str(resource))
 
     return wrapper
 
@@ -74,9 +84,13 @@ class _OneLineErrors:
 
     def main(self, args=None, *rest, **kwargs):
         program = args is None
+        if program:  # the dry runs count this process's own start-up, which the real command pays again
+            kwargs.setdefault("obj", {})["program"] = True
         try:
             with raising_signals(ignore_after=program):
                 return self._main_one_line(args, *rest, **kwargs)
+        except Interrupted as exc:  # a signal whose exception was swallowed: the command must not succeed
+            _fail(str(exc), 128 + exc.signal_number)
         finally:
             if program:  # the process ends now: its last collections need not walk torch's objects (~1 s of exit)
                 gc.freeze()
@@ -95,6 +109,10 @@ class _OneLineErrors:
             _fail(f"{exc.format_message()} (see {command} --help)")
         except click.ClickException as exc:
             _fail(exc.format_message())
+        except Exception:
+            if received_signal() is None:
+                raise
+            _fail("interrupted")  # reports the signal received, whatever broke after it
 
 
 class Command(_OneLineErrors, click.Command):
@@ -105,12 +123,36 @@ class Group(_OneLineErrors, click.Group):
     command_class = Command
 
 
-def _progress_option(fn):
-    return click.option(
+def _output_options(fn):
+    """--json, --quiet/-q and --progress/--no-progress: every command takes all three."""
+    fn = click.option(
         "--progress/--no-progress",
         default=None,
         help="Show progress (default: on when stderr is a terminal; plain periodic lines when it is not).",
     )(fn)
+    fn = click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors (and the --json object).")(fn)
+    return click.option("--json", "as_json", is_flag=True, help="Print one JSON object of what was done.")(fn)
+
+
+def _progress(progress: bool | None, quiet: bool) -> bool | None:
+    return False if quiet and progress is None else progress
+
+
+def _start_seconds() -> float:
+    """What a command run as a program paid before its work (interpreter, imports): the dry runs' estimates add it."""
+    from preshard.tools.estimate import process_age
+
+    ctx = click.get_current_context(silent=True)
+    obj = ctx.find_root().obj if ctx is not None else None
+    return process_age() if isinstance(obj, dict) and obj.get("program") else 0.0
+
+
+def _emit(data: dict, text: str, as_json: bool, quiet: bool) -> None:
+    """The command's result: its JSON object, or its text unless --quiet."""
+    if as_json:
+        click.echo(json.dumps(data, indent=1))
+    elif not quiet:
+        click.echo(text)
 
 
 @contextmanager
@@ -132,15 +174,56 @@ def _hub_progress(progress: bool | None) -> Iterator[None]:
             enable_progress_bars()
 
 
-def _hub_options(fn):
-    fn = click.option("--token", default=None, help="Hub token (default: HF_TOKEN or the saved login).")(fn)
-    fn = click.option("--revision", default=None, help="Hub branch, tag or commit (default: the default branch).")(fn)
-    return click.option(
-        "--subfolder", default=None, help="Folder inside SOURCE (a Hub repo or local folder), e.g. transformer."
-    )(fn)
+def _hub_options(what: str = "SOURCE"):
+    def options(fn):
+        fn = click.option("--token", default=None, help="Hub token (default: HF_TOKEN or the saved login).")(fn)
+        fn = click.option(
+            "--revision", default=None, help=f"Branch, tag or commit of a Hub {what} (default: the default branch)."
+        )(fn)
+        return click.option(
+            "--subfolder", default=None, help=f"Folder inside {what} (a Hub repo or local folder), e.g. transformer."
+        )(fn)
+
+    return options
 
 
-@click.command(name="convert-checkpoint", cls=Command, context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
+def _manifest_summary(manifest, output: str) -> dict:
+    """What a command that wrote a checkpoint says in its JSON object."""
+    return {
+        "output": str(output),
+        "tensors": len(manifest.tensors),
+        "mesh": manifest.mesh.to_dict() | {"world_size": manifest.mesh.world_size},
+        "plan": manifest.plan.name,
+        "files": [{"name": f.name, "size": f.size, "xxh3_128": f.xxh3_128} for f in manifest.files],
+        "data_bytes": sum(f.size for f in manifest.files),
+        "manifest_digest": manifest.digest,
+    }
+
+
+class _ConvertCommand(Command):
+    """`--lora FILE [--lora-scale S]`, repeatable: each --lora-scale applies to the --lora before it (default 1.0),
+    which needs the options' command-line order; click gives each option's values alone, so that order is read
+    from click's own parser and the pairs are passed as `loras`."""
+
+    def parse_args(self, ctx, args):
+        order = self.make_parser(ctx).parse_args(args=list(args))[2]
+        rest = super().parse_args(ctx, args)
+        files, scales = list(ctx.params.pop("lora", None) or ()), list(ctx.params.pop("lora_scale", None) or ())
+        pairs: list[list] = []
+        for param in order:
+            if param.name == "lora":
+                pairs.append([files[len(pairs)], None])
+            elif param.name == "lora_scale":
+                if not pairs or pairs[-1][1] is not None:
+                    raise click.UsageError(
+                        "each --lora-scale follows the --lora it scales: --lora FILE --lora-scale S", ctx=ctx
+                    )
+                pairs[-1][1] = scales.pop(0)
+        ctx.params["loras"] = [(path, 1.0 if scale is None else scale) for path, scale in pairs]
+        return rest
+
+
+@click.command(name="convert-checkpoint", cls=_ConvertCommand, context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
 @click.argument("source")
 @click.argument("output", type=click.Path(path_type=str))
 @click.option("--tp", type=click.IntRange(min=1), required=True, help="Tensor-parallel degree.")
@@ -150,16 +233,25 @@ def _hub_options(fn):
 @click.option("--order", default=None, help="Mesh axis order, default tp,ring,ulysses (last varies fastest).")
 @click.option("--plan", "plan", default=None, help="Built-in plan name or JSON plan file (default: from config.json).")
 @click.option("--dtype", default=None, help="Cast floating tensors: bf16, fp16 or fp32 (default: keep each dtype).")
-@_hub_options
+@click.option(
+    "--lora",
+    multiple=True,
+    metavar="FILE",
+    help="Fuse this LoRA (.safetensors, any key format diffusers reads for the model; or a Hub org/name[/file]) "
+    "into the weights before slicing. Repeatable, applied in order.",
+)
+@click.option(
+    "--lora-scale", type=float, multiple=True, metavar="S", help="Scale of the --lora before it (default 1.0)."
+)
+@_hub_options()
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it is a preshard checkpoint.")
 @click.option("--wait", is_flag=True, help="Wait for another conversion into OUTPUT to finish instead of failing.")
 @click.option(
     "--dry-run",
     is_flag=True,
     help="Resolve source (Hub: headers only), plan and mesh; print per-rank bytes, output size, free space and a "
-    "time estimate from a short read/write probe; write nothing.",
+    "time estimate (page cache, disk and CPU measured just now); write nothing.",
 )
-@click.option("--json", "as_json", is_flag=True, help="With --dry-run: print the report as one JSON object.")
 @click.option(
     "--workers",
     type=click.IntRange(min=1),
@@ -167,18 +259,21 @@ def _hub_options(fn):
     show_default=True,
     help="Local processes converting in parallel (at most --tp; several hosts: torchrun -m preshard.torchrun_convert).",
 )
-@_progress_option
+@_output_options
 @click.version_option(__version__, "--version", prog_name="convert-checkpoint")
 @user_errors
 def convert_checkpoint_command(
     source, output, tp, cp, ring, ulysses, order, plan, dtype, subfolder, revision, token, overwrite, wait, dry_run,
-    as_json, workers, progress,
+    workers, as_json, quiet, progress, loras,
 ):  # fmt: skip
-    """Slice SOURCE (.safetensors file, diffusers weights folder or Hub repo id) into per-rank shards in OUTPUT."""
-    from preshard.converter.convert import convert_checkpoint, resolve_mesh
+    """Slice SOURCE (.safetensors file, diffusers weights folder or Hub repo id) into per-rank shards in OUTPUT.
 
-    if as_json and not dry_run:
-        _fail("--json goes with --dry-run (a conversion prints one summary line); add --dry-run or drop --json")
+    Re-running a finished conversion with the same source, plan, mesh and dtype does nothing and exits 0
+    ("already converted"); an interrupted one resumes, keeping what it had written.
+    """
+    from preshard.converter.convert import ConversionOutcome, convert_checkpoint, resolve_mesh
+
+    progress = _progress(progress, quiet)
     if dry_run:
         from preshard.tools.planner import dry_run as plan_dry_run
         from preshard.tools.planner import dry_run_json, dry_run_text
@@ -187,21 +282,26 @@ def convert_checkpoint_command(
         with _hub_progress(progress):
             report = plan_dry_run(
                 source, output, mesh=mesh, plan=plan, dtype=dtype, subfolder=subfolder, revision=revision,
-                token=token, overwrite=overwrite,
+                token=token, overwrite=overwrite, loras=loras, start_seconds=_start_seconds(),
             )  # fmt: skip
-        click.echo(json.dumps(dry_run_json(report), indent=1) if as_json else dry_run_text(report))
+        _emit(dry_run_json(report), dry_run_text(report), as_json, quiet)
         if report.space_error:
             _fail(report.space_error)
         return
-    from preshard.tools.inspect import summary_line
+    from preshard.tools.inspect import outcome_line
 
+    started = time.perf_counter()
+    outcome = ConversionOutcome()
     with _hub_progress(progress):
         manifest = convert_checkpoint(
             source, output, tp=tp, cp=cp, ring=ring, ulysses=ulysses, order=order, plan=plan, dtype=dtype,
             subfolder=subfolder, revision=revision, token=token, overwrite=overwrite, wait=wait, progress=progress,
-            workers=workers,
+            workers=workers, loras=loras, outcome=outcome,
         )  # fmt: skip
-    click.echo(summary_line(manifest, output))
+    seconds = time.perf_counter() - started
+    data = {"command": "convert", "status": outcome.status, **_manifest_summary(manifest, output)}
+    data |= {"kept_tensors": outcome.kept_tensors, "kept_bytes": outcome.kept_bytes, "seconds": round(seconds, 3)}
+    _emit(data, outcome_line(manifest, output, outcome), as_json, quiet)
 
 
 @click.group(cls=Group, context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
@@ -215,43 +315,47 @@ main.add_command(convert_checkpoint_command, name="convert")
 
 @main.command(epilog=EXIT_CODES_HELP)
 @click.argument("checkpoint", type=click.Path(path_type=str))
-@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+@_hub_options("CHECKPOINT")
+@_output_options
 @user_errors
-def inspect(checkpoint, as_json):
-    """Print the provenance, mesh, data files and the bytes each rank reads."""
-    from preshard.format.manifest import read_manifest
-    from preshard.tools.inspect import inspect_data, inspect_table
+def inspect(checkpoint, subfolder, revision, token, as_json, quiet, progress):
+    """Print the provenance, mesh, data files and the bytes each rank reads.
 
-    manifest = read_manifest(checkpoint)
-    click.echo(json.dumps(inspect_data(manifest), indent=1) if as_json else inspect_table(manifest))
+    CHECKPOINT is a converted folder or a Hub repo id holding one (only its manifest.json is downloaded).
+    """
+    from preshard.tools.inspect import inspect_data, inspect_table, read_checkpoint_manifest
+
+    with _hub_progress(_progress(progress, quiet)):
+        manifest = read_checkpoint_manifest(checkpoint, subfolder=subfolder, revision=revision, token=token)
+    _emit({"command": "inspect", **inspect_data(manifest)}, inspect_table(manifest), as_json, quiet)
 
 
 @main.command(name="verify", epilog=EXIT_CODES_HELP)
 @click.argument("checkpoint", type=click.Path(path_type=str))
 @click.option("--source", default=None, help="Also compare every tensor with this source checkpoint, bit for bit.")
-@click.option("--subfolder", default=None, help="Folder inside a Hub --source.")
-@click.option("--revision", default=None, help="Revision of a Hub --source.")
-@click.option("--token", default=None, help="Hub token.")
-@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
-@_progress_option
+@_hub_options("--source")
+@_output_options
 @user_errors
-def verify_command(checkpoint, source, subfolder, revision, token, as_json, progress):
+def verify_command(checkpoint, source, subfolder, revision, token, as_json, quiet, progress):
     """Check a converted checkpoint: manifest, files, checksums, framing, .metadata, config (and the source).
 
-    Prints one line per problem and exits 1 if anything is wrong; exits 0 with a one-line summary if not.
+    Prints one line per problem and exits 1 if anything is wrong; exits 0 with a one-line summary if not
+    (with --quiet: the problems only).
     """
     from preshard.tools.verify import verify_checkpoint
 
+    progress = _progress(progress, quiet)
     with _hub_progress(progress):
         result = verify_checkpoint(
             checkpoint, source=source, subfolder=subfolder, revision=revision, token=token, progress=progress
         )
     if as_json:
-        click.echo(json.dumps(result.to_dict(), indent=1))
+        click.echo(json.dumps({"command": "verify", **result.to_dict()}, indent=1))
     else:
         for line in result.report_lines():
             click.echo(line)
-        click.echo(result.summary())
+        if not quiet:
+            click.echo(result.summary())
     if not result.ok:
         sys.exit(EXIT_PROBLEMS)
 
@@ -264,52 +368,97 @@ def verify_command(checkpoint, source, subfolder, revision, token, as_json, prog
 @click.option("--ring", type=click.IntRange(min=1), default=None, help="Ring-attention degree.")
 @click.option("--ulysses", type=click.IntRange(min=1), default=None, help="Ulysses degree.")
 @click.option("--order", default=None, help="Mesh axis order (default: the checkpoint's).")
-@click.option("--revision", default=None, help="Hub branch, tag or commit of a Hub CHECKPOINT.")
-@click.option("--token", default=None, help="Hub token (default: HF_TOKEN or the saved login).")
+@_hub_options("CHECKPOINT")
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it is a preshard checkpoint.")
 @click.option("--wait", is_flag=True, help="Wait for another conversion into OUTPUT to finish instead of failing.")
-@_progress_option
+@click.option(
+    "--dry-run", is_flag=True, help="Check the new mesh and OUTPUT; print sizes, free space and a time estimate."
+)
+@click.option(
+    "--workers", type=click.IntRange(min=1), default=1, show_default=True,
+    help="Local processes writing the new data files in parallel (at most --tp).",
+)  # fmt: skip
+@_output_options
 @user_errors
-def reshard_command(checkpoint, output, tp, cp, ring, ulysses, order, revision, token, overwrite, wait, progress):
+def reshard_command(
+    checkpoint, output, tp, cp, ring, ulysses, order, subfolder, revision, token, overwrite, wait, dry_run, workers,
+    as_json, quiet, progress,
+):  # fmt: skip
     """Write CHECKPOINT (a converted folder or Hub repo id) for another mesh into OUTPUT; no source needed.
 
     CP options left out keep the checkpoint's. The same TP degree (a CP-only change) links the data files and
     writes only a new manifest.
     """
     from preshard.tools.inspect import summary_line
+
+    progress = _progress(progress, quiet)
+    hub = {"subfolder": subfolder, "revision": revision, "token": token}
+    mesh = {"tp": tp, "cp": cp, "ring": ring, "ulysses": ulysses, "order": order}
+    if dry_run:
+        from preshard.tools.planner import reshard_dry_run, write_dry_run_json, write_dry_run_text
+
+        with _hub_progress(progress):
+            report = reshard_dry_run(
+                checkpoint, output, **mesh, **hub, overwrite=overwrite, start_seconds=_start_seconds()
+            )
+        _emit(write_dry_run_json(report), write_dry_run_text(report), as_json, quiet)
+        if report.space_error:
+            _fail(report.space_error)
+        return
     from preshard.tools.reshard import reshard_checkpoint
 
+    started = time.perf_counter()
     with _hub_progress(progress):
         manifest = reshard_checkpoint(
-            checkpoint, output, tp=tp, cp=cp, ring=ring, ulysses=ulysses, order=order, revision=revision,
-            token=token, overwrite=overwrite, wait=wait, progress=progress,
-        )  # fmt: skip
-    click.echo(summary_line(manifest, output))
+            checkpoint, output, **mesh, **hub, overwrite=overwrite, wait=wait, progress=progress, workers=workers
+        )
+    data = {"command": "reshard", "input": checkpoint, **_manifest_summary(manifest, output)}
+    data["seconds"] = round(time.perf_counter() - started, 3)
+    _emit(data, summary_line(manifest, output), as_json, quiet)
 
 
 @main.command(name="unshard", epilog=EXIT_CODES_HELP)
 @click.argument("checkpoint")
 @click.argument("output", type=click.Path(path_type=str))
-@click.option("--revision", default=None, help="Hub branch, tag or commit of a Hub CHECKPOINT.")
-@click.option("--token", default=None, help="Hub token (default: HF_TOKEN or the saved login).")
+@_hub_options("CHECKPOINT")
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it is a safetensors checkpoint folder.")
-@_progress_option
+@click.option("--wait", is_flag=True, help="Wait for another run writing OUTPUT to finish instead of failing.")
+@click.option(
+    "--dry-run", is_flag=True, help="Check CHECKPOINT and OUTPUT; print sizes, free space and a time estimate."
+)
+@_output_options
 @user_errors
-def unshard_command(checkpoint, output, revision, token, overwrite, progress):
+def unshard_command(checkpoint, output, subfolder, revision, token, overwrite, wait, dry_run, as_json, quiet, progress):
     """Rebuild the source safetensors checkpoint of CHECKPOINT in OUTPUT, bit for bit, in its own layout.
 
     Same file names, headers and index as the source, and config.json. Refused for a checkpoint converted with
     a --dtype that lost precision.
     """
-    from preshard.tools.unshard import unshard_checkpoint
-    from preshard.units import human_bytes
+    from preshard.units import human_bytes, plural
 
+    progress = _progress(progress, quiet)
+    hub = {"subfolder": subfolder, "revision": revision, "token": token}
+    if dry_run:
+        from preshard.tools.planner import unshard_dry_run, write_dry_run_json, write_dry_run_text
+
+        with _hub_progress(progress):
+            report = unshard_dry_run(checkpoint, output, **hub, overwrite=overwrite, start_seconds=_start_seconds())
+        _emit(write_dry_run_json(report), write_dry_run_text(report), as_json, quiet)
+        if report.space_error:
+            _fail(report.space_error)
+        return
+    from preshard.tools.unshard import unshard_checkpoint
+
+    started = time.perf_counter()
     with _hub_progress(progress):
-        files = unshard_checkpoint(
-            checkpoint, output, revision=revision, token=token, overwrite=overwrite, progress=progress
-        )
-    size = sum(f.stat().st_size for f in files)
-    click.echo(f"wrote {output}: {len(files)} files, {human_bytes(size)}; every file matches the source")
+        files = unshard_checkpoint(checkpoint, output, **hub, overwrite=overwrite, wait=wait, progress=progress)
+    sizes = {f.name: f.stat().st_size for f in files}
+    data = {"command": "unshard", "input": checkpoint, "output": str(output), "status": "unsharded"}
+    data |= {"files": [{"name": n, "size": s} for n, s in sizes.items()], "bytes": sum(sizes.values())}
+    data["seconds"] = round(time.perf_counter() - started, 3)
+    size = human_bytes(sum(sizes.values()))
+    text = f"wrote {output}: {plural(len(files), 'file')}, {size}; every file matches the source"
+    _emit(data, text, as_json, quiet)
 
 
 @main.command(name="plan", epilog=EXIT_CODES_HELP)
@@ -320,10 +469,10 @@ def unshard_command(checkpoint, output, revision, token, overwrite, progress):
 )
 @click.option("--plan", "plan", default=None, help="Built-in plan name or JSON plan file (default: from config.json).")
 @click.option("--dtype", default=None, help="Plan for a cast: bf16, fp16 or fp32 (default: keep each dtype).")
-@_hub_options
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON list, one object per mesh.")
+@_hub_options()
+@_output_options
 @user_errors
-def plan_command(source, devices, device_memory, plan, dtype, subfolder, revision, token, as_json):
+def plan_command(source, devices, device_memory, plan, dtype, subfolder, revision, token, as_json, quiet, progress):
     """Which TP x CP meshes fit: per-rank weights, load reads and disk, from safetensors headers only.
 
     SOURCE is a local checkpoint or a Hub repo id (headers read with ranged requests; no weights downloaded).
@@ -332,12 +481,12 @@ def plan_command(source, devices, device_memory, plan, dtype, subfolder, revisio
     """
     from preshard.tools.planner import plan_json, plan_meshes, plan_table
 
-    with _hub_progress(False):
+    with _hub_progress(bool(progress) and not quiet):  # headers only: bars only when asked for
         report = plan_meshes(
             source, devices=devices, device_memory_gib=device_memory, plan=plan, dtype=dtype, subfolder=subfolder,
             revision=revision, token=token,
         )  # fmt: skip
-    click.echo(json.dumps(plan_json(report), indent=1) if as_json else plan_table(report))
+    _emit({"command": "plan", **plan_json(report)}, plan_table(report), as_json, quiet)
 
 
 @main.command(epilog=EXIT_CODES_HELP)
@@ -346,12 +495,19 @@ def plan_command(source, devices, device_memory, plan, dtype, subfolder, revisio
 @click.option("--ulysses", type=click.IntRange(min=1), default=2, show_default=True, help="Ulysses degree.")
 @click.option("--seq-len", type=click.IntRange(min=3), default=37, show_default=True, help="Packed sequence rows.")
 @click.option("--workdir", type=click.Path(path_type=str), default=None, help="Keep the files here (default: temp).")
+@_output_options
 @user_errors
-def demo(tp, ring, ulysses, seq_len, workdir):
-    """Convert an embedded MiniMax-H3 example and run it sharded under torchrun on the CPU."""
+def demo(tp, ring, ulysses, seq_len, workdir, as_json, quiet, progress):
+    """Convert an embedded MiniMax-H3 example and run it sharded under torchrun on the CPU.
+
+    Each step is one line (--progress adds nothing: the steps are the progress).
+    """
     from preshard.demo import run_demo
 
-    run_demo(tp=tp, ring=ring, ulysses=ulysses, seq_len=seq_len, workdir=workdir, echo=click.echo)
+    echo = click.echo if not (quiet or as_json) else (lambda line: None)
+    result = run_demo(tp=tp, ring=ring, ulysses=ulysses, seq_len=seq_len, workdir=workdir, echo=echo)
+    if as_json:
+        click.echo(json.dumps({"command": "demo", **result}, indent=1))
 
 
 if __name__ == "__main__":

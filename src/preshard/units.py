@@ -1,4 +1,4 @@
-"""Byte counts as people read them."""
+"""Numbers as people read them: byte counts, counts of things."""
 
 
 def human_bytes(n: float) -> str:
@@ -7,3 +7,8 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return f"{n:.2f} TiB"
+
+
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """'1 file', '2 files', '0 problems' (`many` for an irregular plural)."""
+    return f"{n} {word if n == 1 else (many or word + 's')}"

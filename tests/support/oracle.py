@@ -1,5 +1,5 @@
 """The hand-written slicing oracle and raw readers: what each TP rank must hold, computed from the styles'
-definitions in DESIGN.md (never with preshard's own slicing code), and every read of converted files through
+definitions in docs/design.md (never with preshard's own slicing code), and every read of converted files through
 torch or raw bytes."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 BLOCKS = r"(transformer_blocks|token_refiner\.refiner_blocks)\.\d+"
-# The built-in minimax-h3 plan, restated from DESIGN.md: (module regex, style, packed blocks).
+# The built-in minimax-h3 plan, restated from docs/design.md: (module regex, style, packed blocks).
 TINY_RULES = [
     (BLOCKS + r"\.attn\.to_[qkv]", "colwise", None),
     (BLOCKS + r"\.attn\.to_out\.0", "rowwise", None),
@@ -49,7 +49,7 @@ def hand_slices(w: torch.Tensor, style: str, param: str, blocks, tp: int, r: int
             start += size
         return out
     rest = (0,) * (w.dim() - 1)
-    if style == "colwise":  # W[r*out/T : (r+1)*out/T], same slice of the bias
+    if style in ("colwise", "tp_rms_norm"):  # W[r*out/T : (r+1)*out/T], same slice of the bias (a norm's weight)
         n = w.shape[0] // tp
         return [((r * n, *rest), w[r * n : (r + 1) * n])]
     assert style == "packed_colwise"

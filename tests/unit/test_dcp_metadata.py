@@ -132,7 +132,8 @@ def test_a_conversion_imports_no_torch_distributed_checkpoint_and_its_metadata_r
         "from preshard.converter.convert import convert_checkpoint\n"
         "from preshard.format.dcp_metadata import dcp_metadata_problems\n"
         "m = convert_checkpoint(sys.argv[1], sys.argv[2], tp=2, cp=2, progress=False)\n"
-        "assert dcp_metadata_problems(__import__('pathlib').Path(sys.argv[2]) / '.metadata', m) == []\n"
+        "raw = (__import__('pathlib').Path(sys.argv[2]) / '.metadata').read_bytes()\n"
+        "assert dcp_metadata_problems(raw, m) == []\n"
         "assert 'torch.distributed.checkpoint' not in sys.modules, 'imported'\n"
         "assert 'diffusers' not in sys.modules, 'imported diffusers'\n"
     )

@@ -1,7 +1,7 @@
 """Styles, chunk layout and slicing against the hand-written oracle (tests/support/oracle.py).
 
 For every style, random shapes, TP degrees and packed blocks: `TensorLayout` gives each rank exactly the
-boxes the oracle computes from DESIGN.md, the local shape is the concatenation of its boxes along the
+boxes the oracle computes from docs/design.md, the local shape is the concatenation of its boxes along the
 split dimension, `place_records` tiles every file, and the band slicer (with bands small enough that a
 tensor takes many) produces exactly the oracle's bytes, with and without a dtype cast.
 """
@@ -21,7 +21,9 @@ from preshard.format.layout import TensorLayout, data_file_name, place_records
 from preshard.format.slicing import BufferPool, tensor_pieces
 from preshard.format.styles import STYLES, make_style
 
-STYLE_NAMES = ["colwise", "rowwise", "packed_colwise", "packed_rowwise", "replicated_input_rowwise", "replicate"]
+STYLE_NAMES = [
+    "colwise", "rowwise", "packed_colwise", "packed_rowwise", "replicated_input_rowwise", "replicate", "tp_rms_norm",
+]  # fmt: skip
 
 
 @st.composite
@@ -37,7 +39,7 @@ def cases(draw):
     if blocks is not None:
         split = tp * n * draw(st.integers(1, 2)) if isinstance(blocks, int) else sum(blocks)
     other = draw(st.integers(1, 5))
-    if param == "weight":
+    if param == "weight" and style != "tp_rms_norm":  # a norm's weight is [features], like a bias
         shape = (split, other) if style in ("colwise", "packed_colwise", "replicate") else (other, split)
     else:
         shape = (split,)
@@ -137,6 +139,8 @@ def test_a_style_on_a_tensor_that_is_not_a_linear_weight_or_bias_is_refused():
         TensorLayout.make("m.scale", make_style("colwise"), (4,), torch.float32, torch.float32)
     with pytest.raises(PlanError, match="not a Linear weight"):
         TensorLayout.make("m.weight", make_style("colwise"), (4, 4, 4), torch.float32, torch.float32)
+    with pytest.raises(PlanError, match=r"not a norm weight or bias \[features\]; point the rule at RMSNorm"):
+        TensorLayout.make("m.weight", make_style("tp_rms_norm"), (4, 4), torch.float32, torch.float32)
 
 
 def test_every_style_is_registered_once_with_its_dims():
@@ -149,4 +153,5 @@ def test_every_style_is_registered_once_with_its_dims():
         "rowwise": (1, None),
         "packed_rowwise": (1, None),
         "replicated_input_rowwise": (1, None),
+        "tp_rms_norm": (0, 0),
     }

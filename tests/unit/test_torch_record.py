@@ -348,11 +348,12 @@ def test_pure_cached_and_fast() -> None:
     assert again == first and again is not first
     assert RECORD_FRAMING_VERSION == 1
 
-    start = time.perf_counter()
+    # CPU time of this process, not wall time: the bound is about the work, and holds on a loaded machine.
+    start = time.process_time()
     for i in range(10_000):
         record_framing(DTYPES[i % len(DTYPES)], (i + 1, 7 * i + 3))
-    elapsed = time.perf_counter() - start
-    assert elapsed < 2.0, f"10,000 framings took {elapsed:.2f} s"
+    elapsed = time.process_time() - start
+    assert elapsed < 2.0, f"10,000 framings took {elapsed:.2f} CPU s"
 
 
 def test_framing_matches() -> None:

@@ -17,9 +17,9 @@ import gc
 import hashlib
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,7 @@ from preshard.converter.workdir import (
     resume,
 )
 from preshard.converter.writer import RecordFileWriter, stage_bytes
-from preshard.errors import MismatchError, UsageError
+from preshard.errors import MismatchError, PreshardError, ResourceError, UsageError
 from preshard.format import slicing
 from preshard.format.dcp_metadata import dcp_metadata_bytes, write_dcp_metadata
 from preshard.format.dtypes import dtype_name, parse_cast
@@ -47,6 +47,7 @@ from preshard.format.jsonio import dumps_indented, fsync_file, write_text_atomic
 from preshard.format.layout import ChunkRecord, FileLayout, TensorLayout, data_file_name, place_records
 from preshard.format.manifest import (
     CONFIG_NAME,
+    DCP_METADATA_NAME,
     MANIFEST_NAME,
     FileRecord,
     Manifest,
@@ -115,6 +116,69 @@ class ConversionPlan:
         return min(slicing.BAND_BYTES, max(1 << 20, largest // 4))
 
 
+@dataclass
+class ConversionOutcome:
+    """What a conversion found and did, for a caller that reports it (the CLI's summary line and --json): pass one
+    to `convert_checkpoint(outcome=...)`, which fills it in."""
+
+    status: str = "converted"  # "converted", "resumed" (an interrupted run's records kept) or "already converted"
+    kept_tensors: int = 0  # resumed: the tensors kept from the earlier run, every record re-checked
+    kept_bytes: int = 0  # resumed: the bytes of their records (not written again)
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def record_kept(self, done: dict[str, list[ChunkRecord]]) -> None:
+        if done:
+            self.status = "resumed"
+            self.kept_tensors = len(done)
+            self.kept_bytes = sum(c.framing.length for chunks in done.values() for c in chunks)
+
+
+def _lora_records(source: Any) -> list[dict[str, Any]]:
+    """The LoRAs a source fuses (`preshard.converter.lora.FusedSource`), as the manifest records them."""
+    loras = getattr(source, "loras", None)
+    return [lora.to_dict() for lora in loras.records()] if loras is not None else []
+
+
+def finished_conversion(job: ConversionPlan, output: Path) -> Manifest | None:
+    """The manifest in `output` if it already holds exactly this conversion, else None.
+
+    Exactly: the same plan, mesh (TP and CP layout) and cast, LoRAs, config.json, and source bytes: the same file names,
+    sizes and headers, then the same xxh3_128 of every source file (one read of the source, cheaper than
+    converting); and every data file is there at its recorded size. Anything else (another conversion, a damaged
+    or foreign folder) returns None, and the usual output checks decide (`--overwrite` replaces it).
+    """
+    from preshard.sources.reader import hash_file
+
+    headers = getattr(job.source, "files", None)
+    if not (output / MANIFEST_NAME).is_file() or headers is None:
+        return None
+    try:
+        manifest = read_manifest(output)
+    except (PreshardError, OSError):
+        return None
+    recorded = {f.name: f for f in manifest.source.files}
+    if (
+        manifest.mesh != job.mesh
+        or manifest.dtype != job.cast
+        or manifest.plan.to_dict() != job.plan.to_dict()
+        or manifest.derived_from is not None
+        or _lora_records(job.source) != [lora.to_dict() for lora in manifest.source.loras]
+        or [h.path.name for h in headers] != list(recorded)
+        or any((h.size, h.text) != (recorded[h.path.name].size, recorded[h.path.name].header) for h in headers)
+    ):
+        return None
+    config = job.source.config_bytes()
+    if (config is None) != (manifest.config is None) or (config is not None and not manifest.config.matches(config)):
+        return None
+    for f in manifest.files:
+        path = output / f.name
+        if not path.is_file() or path.stat().st_size != f.size:
+            return None
+    if any(hash_file(h.path) != recorded[h.path.name].xxh3_128 for h in headers):
+        return None
+    return manifest
+
+
 def plan_conversion(
     source: str | Path | ConversionSource,
     *,
@@ -125,18 +189,24 @@ def plan_conversion(
     revision: str | None = None,
     token: str | bool | None = None,
     check_model: bool = True,
+    loras: Iterable[Any] | None = None,
 ) -> ConversionPlan:
     """Resolve source, plan, mesh and layout without writing anything (what a dry run shows).
 
     `check_model`: also check the plan's attention rules against the model class (which imports diffusers and
     builds the model on the meta device: seconds), unless the plan is a built-in one made for that class
     (`vouched_for`); `convert_checkpoint` does that while it converts instead.
+    `loras`: LoRAs to fuse into the weights as they are read (`preshard.converter.lora`).
     """
     cast = parse_cast(dtype)
     if isinstance(source, (str, Path)):
         src = open_source(source, subfolder=subfolder, revision=revision, token=token)
     else:
         src = source
+    if loras:
+        from preshard.converter.lora import with_loras
+
+        src = with_loras(src, loras, token=token)
     chosen = choose_plan(plan, src.config)
     layouts = resolve_plan(chosen, src.shapes(), mesh.tp, cast=cast, config=src.config or {})
     if check_model and not vouched_for(chosen, src.config):
@@ -165,6 +235,8 @@ def convert_checkpoint(
     wait: bool = False,
     progress: bool | None = None,
     workers: int = 1,
+    loras: Iterable[Any] | None = None,
+    outcome: ConversionOutcome | None = None,
 ) -> Manifest:
     """Convert a safetensors checkpoint into per-TP-rank DCP shards and a manifest, in `output`.
 
@@ -183,15 +255,22 @@ def convert_checkpoint(
         workers: local processes to convert with (at most `tp`: each writes its share of the data files). The
             output is the same, byte for byte. Under torchrun (`torchrun -m preshard.torchrun_convert`) the
             job's processes are the workers.
+        loras: LoRAs to fuse into the weights before slicing: paths (scale 1.0) or `(path, scale)` pairs, applied
+            in order; each a local `.safetensors` file or a Hub `org/name[/file]`, in any key format diffusers'
+            LoRA loader for the model class reads. Recorded in the manifest's source provenance.
+        outcome: filled in with what happened: converted, resumed (with what was kept), or already converted (an
+            identical finished conversion is in `output`: nothing is written and its manifest is returned, without
+            `overwrite`; see `finished_conversion`).
 
     Returns:
-        The manifest written to `output/manifest.json`.
+        The manifest written to (or found in) `output/manifest.json`.
 
     Raises:
         UsageError: a bad mesh, dtype or worker count. SourceError: a missing, malformed or changing source.
-        PlanError: a plan that does not fit the checkpoint or the TP degree. OutputError: an output that
-        cannot be written (exists, locked, too little disk space). Interrupted: SIGINT/SIGTERM (the finished
-        part is kept for a resume). WorkerError: a worker process died.
+        PlanError: a plan that does not fit the checkpoint or the TP degree. MismatchError: a LoRA that does not
+        fit the checkpoint. OutputError: an output that cannot be written (exists, locked, too little disk
+        space). Interrupted: SIGINT/SIGTERM (the finished part is kept for a resume). WorkerError: a worker
+        process died.
     """
     coordinator = active_coordinator()
     try:
@@ -214,16 +293,26 @@ def convert_checkpoint(
             revision=revision,
             token=token,
             check_model=False,  # done while converting
+            loras=loras,
         )
+        finished = None if overwrite else finished_conversion(job, Path(output))
     except BaseException as exc:
         if coordinator is not None:
             coordinator.fail(exc)  # so that the other processes stop too
         raise
+    outcome = outcome if outcome is not None else ConversionOutcome()
+    if finished is not None:
+        outcome.status = "already converted"
+        return finished
     if workers > 1:
-        return run_workers(job, Path(output), workers=workers, overwrite=overwrite, wait=wait, progress=progress)
+        return run_workers(
+            write_conversion, job, Path(output), workers=workers, overwrite=overwrite, wait=wait, progress=progress,
+            outcome=outcome,
+        )  # fmt: skip
     return write_conversion(
-        job, Path(output), overwrite=overwrite, wait=wait, progress=progress, coordinator=coordinator, check_model=True
-    )
+        job, Path(output), overwrite=overwrite, wait=wait, progress=progress, coordinator=coordinator,
+        check_model=True, outcome=outcome,
+    )  # fmt: skip
 
 
 def space_needed(job: ConversionPlan) -> int:
@@ -241,6 +330,7 @@ def write_conversion(
     coordinator: Coordinator | None = None,
     external_stop: Any = None,
     check_model: bool = False,
+    outcome: ConversionOutcome | None = None,
 ) -> Manifest:
     """Write a planned conversion into `output`, under the output's lock, atomically and resumably.
 
@@ -248,10 +338,12 @@ def write_conversion(
     journals and commits (see `parallel`). `external_stop()` returning a signal number stops it as that
     signal would (a launcher relays signals this way). `check_model`: check the plan against the model class
     (`check_plan_against_model`) on a thread while converting, and commit only if it passes (not needed for a
-    built-in plan made for the checkpoint's class: `vouched_for`).
+    built-in plan made for the checkpoint's class: `vouched_for`). `outcome` (the lowest rank's) is told what a
+    resume kept.
     """
     coord = coordinator or Coordinator()
     with ExitStack() as stack:
+        stack.enter_context(_resources_as_errors("converting"))
         stack.enter_context(_gc_paused())
         error = None
         if coord.rank == 0:
@@ -269,9 +361,24 @@ def write_conversion(
                 "every worker with the same arguments on the same source"
             )
         stop = stack.enter_context(deferred_signals())
+        stop.check()  # a signal that came before, its exception swallowed (numpy's import does): stop before writing
         check = check_model and coord.rank == 0 and not vouched_for(job.plan, job.source.config)
         background = _Background(check, job)
-        return _Conversion(job, output, coord, _stop_check(stop, external_stop, background), overwrite).run(progress)
+        conversion = _Conversion(job, output, coord, _stop_check(stop, external_stop, background), overwrite)
+        conversion.outcome = outcome
+        return conversion.run(progress)
+
+
+@contextlib.contextmanager
+def _resources_as_errors(doing: str) -> Iterator[None]:
+    """Running out of memory or threads (a low `ulimit -v`) is one line, a `ResourceError`, not a traceback."""
+    try:
+        yield
+    except (MemoryError, RuntimeError) as exc:
+        resource = ResourceError.of(exc, doing)
+        if resource is None:
+            raise
+        raise resource from None
 
 
 @contextlib.contextmanager
@@ -354,9 +461,11 @@ class _Conversion:
         self.writers: dict[str, RecordFileWriter] = {}
         self.done: dict[str, list[ChunkRecord]] = {}
         self.sums: dict[str, dict[int, str]] = {}  # the lowest rank: every chunk checksum written, from the points
+        self.proofs: dict[str, str] = {}  # the lowest rank: what each tensor was read from (journalled with it)
         self.reader: SourceRows | None = None
         self.journal: Journal | None = None
         self.identity = self.config_bytes = None
+        self.outcome: ConversionOutcome | None = None
 
     def run(self, progress: bool | None) -> Manifest:
         try:
@@ -383,13 +492,18 @@ class _Conversion:
                 check_space(self.output, self.work, space_needed(job))
                 self.identity = src.identity()
                 open_workdir(self.work, _job_key(job))  # another job's partial is cleared: nothing to resume
-                done, opened = resume(self.work, job.write_order, job.files, tp, self.check_stop)
+                self.reader = src.open_reader()  # first: it proves (re-reading) what the journal may keep
+                done, opened = resume(
+                    self.work, job.write_order, job.files, tp, self.check_stop, prove=self.reader.prove
+                )
                 for r, w in opened.items():
                     if data_file_name(r) in self.mine:
                         self.writers[data_file_name(r)] = w
                     else:
                         w.abandon()
                 shared = {name: [c.xxh3_64 for c in chunks] for name, chunks in done.items()}
+                if self.outcome is not None:
+                    self.outcome.record_kept(done)
             except BaseException as exc:
                 error = exc
         shared = self.coord.exchange(shared, error)[0]
@@ -402,7 +516,8 @@ class _Conversion:
                 self.writers = _adopt(self.work, self.done, self.mine)
             for w in self.writers.values():
                 w.resize_stage(stage_bytes(len(self.writers)))
-            self.reader = src.open_reader()
+            if self.reader is None:
+                self.reader = src.open_reader()
             if self.coord.rank == 0:
                 self.journal = Journal(self.work, keep_lines=len(self.done))
         except BaseException as exc:
@@ -413,21 +528,24 @@ class _Conversion:
         """Every process writes its files through the pipeline; returns every process's file checksums and
         source hashes."""
         job, done, coord = self.job, self.done, self.coord
-        hashed = _hashed_here(job, self.reader, coord)
+        hashed = _hashed_here(job, self.reader, coord, done)
         points = _sync_points(job, done)
 
         def exchange(point: int, checksums: dict, failure: BaseException | None) -> list:
-            return coord.exchange(checksums, failure)
+            # With the source proofs of what this process read whole since the last point (see SourceReader).
+            return coord.exchange((checksums, self.reader.take_proofs()), failure)
 
         def claim(point: int, gathered: list) -> None:
-            for part in gathered:
+            for part, proofs in gathered:
                 for name, by_position in part.items():
                     self.sums.setdefault(name, {}).update(by_position)
+                self.proofs.update(proofs)
             if self.journal is not None:
                 low = points[point - 1] + 1 if point else 0
                 names = [n for n in job.write_order[low : points[point] + 1] if n not in done]
                 chunks = {n: [self.sums[n][i] for i in range(len(job.files.chunks[n]))] for n in names}
-                self.journal.append([{"tensor": n, "chunks": chunks[n]} for n in names])
+                proofs = {n: self.proofs.pop(n, None) for n in names}
+                self.journal.append([{"tensor": n, "chunks": chunks[n], "source": proofs[n]} for n in names])
 
         mine = [c for chunks in job.files.chunks.values() for c in chunks if c.file in self.mine]
         kept = sum(c.framing.length for chunks in done.values() for c in chunks if c.file in self.mine)
@@ -493,13 +611,16 @@ class _Conversion:
         return manifest
 
     def _final_files(self, files: list[str], source_hashes: dict[str, str]) -> tuple[Manifest, str, bytes]:
-        """The manifest, its JSON text and the DCP metadata (everything in memory, nothing written)."""
+        """The manifest (recording `.metadata`'s size and hash), its JSON text and the DCP metadata (everything in
+        memory, nothing written)."""
         job = self.job
         records = dict(self.done)
         for name, by_position in self.sums.items():
             records[name] = [_with_checksum(c, by_position[i]) for i, c in enumerate(job.files.chunks[name])]
-        manifest, data = _manifest(job, records, files, source_hashes, self.config_bytes).sealed_dict()
-        return manifest, dumps_indented(data) + "\n", dcp_metadata_bytes(manifest)
+        manifest = _manifest(job, records, files, source_hashes, self.config_bytes)
+        metadata = dcp_metadata_bytes(manifest)  # of the tensors alone: the manifest records its size and hash
+        manifest, data = replace(manifest, metadata=FileRecord.of(DCP_METADATA_NAME, metadata)).sealed_dict()
+        return manifest, dumps_indented(data) + "\n", metadata
 
 
 def in_thread(fn, check_stop, poll_s: float = 0.1):
@@ -552,20 +673,21 @@ def _adopt(work: Path, done: dict[str, list[ChunkRecord]], mine: set[str]) -> di
     return writers
 
 
-def _hashed_here(job: ConversionPlan, reader: SourceRows, coord: Coordinator) -> set[str]:
-    """The source files this process hashes: round robin over the processes in read order. A file part of
-    which is done already is hashed separately at the end (the in-order read skips that part)."""
+def _hashed_here(job: ConversionPlan, reader: SourceRows, coord: Coordinator, done: dict) -> set[str]:
+    """The source files this process hashes (and so proves each tensor of, for the journal): round robin over the
+    processes in read order, except that a file part of which is kept from an earlier run is the lowest rank's,
+    whose resume check read that part in order (its hash goes on from there)."""
     files = list(dict.fromkeys(reader.file_of(name) for name in job.write_order))
-    return {f for i, f in enumerate(files) if i % coord.world == coord.rank}
+    resumed = {reader.file_of(name) for name in done}
+    return {f for i, f in enumerate(files) if (coord.rank == 0 if f in resumed else i % coord.world == coord.rank)}
 
 
 def _tasks(
     job: ConversionPlan, reader: SourceRows, done: dict, mine: set[str], hashed: set[str], check_stop=None
 ) -> list[TensorWork]:
     """The tensors this process reads, in write order: those with chunks in its files, and, read whole for their
-    hash, the rest of the source files it hashes (unless part of the file is done, which breaks the order).
-    `check_stop` is called every few thousand tensors (a signal stops a long plan too)."""
-    gaps = {reader.file_of(name) for name in done}
+    hash and proofs, the rest of the source files it hashes. `check_stop` is called every few thousand tensors (a
+    signal stops a long plan too)."""
     tasks = []
     for index, name in enumerate(job.write_order):
         if check_stop is not None and not index % 4096:
@@ -574,7 +696,7 @@ def _tasks(
             continue
         planned = job.files.chunks[name]
         own = [c for c in planned if c.file in mine]
-        whole = reader.file_of(name) in hashed - gaps
+        whole = reader.file_of(name) in hashed
         if own or whole:
             layout = job.layouts[name]
             bands = slicing.band_plan(layout, own, whole=whole, band_bytes=job.band_bytes)
@@ -631,4 +753,13 @@ def _manifest(
     )
 
 
-__all__ = ["ConversionPlan", "convert_checkpoint", "dtype_name", "plan_conversion", "resolve_mesh", "space_needed"]
+__all__ = [
+    "ConversionOutcome",
+    "ConversionPlan",
+    "convert_checkpoint",
+    "finished_conversion",
+    "dtype_name",
+    "plan_conversion",
+    "resolve_mesh",
+    "space_needed",
+]

@@ -24,6 +24,7 @@ stopped, and the output is committed only when every process has finished its fi
 from __future__ import annotations
 
 import contextlib
+import copy
 import ctypes
 import multiprocessing
 import os
@@ -41,8 +42,11 @@ from preshard import errors
 from preshard.errors import Interrupted, PreshardError, WorkerError
 
 if TYPE_CHECKING:
-    from preshard.converter.convert import ConversionPlan
     from preshard.format.manifest import Manifest
+
+# What a worker runs: convert.write_conversion(job, output, coordinator=..., external_stop=..., **options). It is
+# passed in (run_workers' `write`), so this module never imports convert.py, which imports it.
+WriteConversion = Callable[..., object]
 
 # How long one process waits for the others at an exchange (the lowest rank re-checking a large partial
 # conversion before the first one, a slow host); PRESHARD_WORKER_TIMEOUT_S overrides it.
@@ -173,7 +177,8 @@ def _local_worker(
     rank: int,
     world: int,
     store_path: str,
-    job: ConversionPlan,
+    write: WriteConversion,
+    job: Any,
     output: str,
     options: dict[str, Any],
     conn: connection.Connection,
@@ -187,19 +192,19 @@ def _local_worker(
     try:
         import torch.distributed as dist
 
-        from preshard.converter.convert import write_conversion
-
+        outcome = options.pop("outcome")
         store = dist.FileStore(store_path, world)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT_S))
         try:
             coordinator = Coordinator(rank, world)
-            write_conversion(
-                job, Path(output), coordinator=coordinator, external_stop=lambda: stop_signal.value or None, **options
-            )
+            write(
+                job, Path(output), coordinator=coordinator, external_stop=lambda: stop_signal.value or None,
+                outcome=outcome, **options,
+            )  # fmt: skip
         finally:
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
-        message = ("ok", None)
+        message = ("ok", outcome)
     except BaseException as exc:  # noqa: BLE001 - reported to the launcher
         own = getattr(exc, "from_worker", rank) == rank
         if own and not isinstance(exc, (PreshardError, OSError, KeyboardInterrupt)):
@@ -211,15 +216,18 @@ def _local_worker(
 
 
 def run_workers(
-    job: ConversionPlan,
+    write: WriteConversion,
+    job: Any,
     output: Path,
     *,
     workers: int,
     overwrite: bool = False,
     wait: bool = False,
     progress: bool | None = None,
+    outcome: Any = None,
 ) -> Manifest:
-    """Convert `job` into `output` with `workers` local processes (forked: nothing is imported again).
+    """Convert `job` (a `ConversionPlan`) into `output` with `workers` local processes (forked: nothing is imported
+    again), each running `write` (`convert.write_conversion`) on its share.
 
     SIGINT/SIGTERM to this process is relayed to the workers, which stop at a safe point; this process then
     raises `Interrupted`. A worker that fails makes every worker stop; this process raises its error.
@@ -240,8 +248,19 @@ def run_workers(
             for rank in range(workers):
                 options = {"overwrite": overwrite, "wait": wait, "progress": progress if rank == 0 else False}
                 options["check_model"] = True  # on the lowest rank, while it converts
+                options["outcome"] = copy.copy(outcome) if rank == 0 else None  # filled in, sent back
                 reader, writer = ctx.Pipe(duplex=False)
-                args = (rank, workers, os.path.join(tmp, "store"), job, str(output), options, writer, stop_signal)
+                args = (
+                    rank,
+                    workers,
+                    os.path.join(tmp, "store"),
+                    write,
+                    job,
+                    str(output),
+                    options,
+                    writer,
+                    stop_signal,
+                )
                 proc = ctx.Process(target=_local_worker, args=args, name=f"preshard-worker-{rank}")
                 proc.start()
                 writer.close()
@@ -267,9 +286,12 @@ def run_workers(
                     proc.join()
             for conn in readers:
                 conn.close()
-    if all(kind == "ok" for kind, _ in outcomes.values()):
-        return read_manifest(output)
-    raise _launcher_error(outcomes, stop.signal_number)
+        # Inside the block: a signal the workers finished before acting on is delivered when it ends (no exit 0).
+        if all(kind == "ok" for kind, _ in outcomes.values()):
+            if outcome is not None and outcomes[0][1] is not None:
+                vars(outcome).update(vars(outcomes[0][1]))
+            return read_manifest(output)
+        raise _launcher_error(outcomes, stop.signal_number)
 
 
 def _launcher_error(outcomes: dict[int, tuple[str, Any]], signal_number: int | None) -> BaseException:

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from preshard.converter.writer import RecordFileWriter
+from preshard.errors import ResourceError
 from preshard.format.layout import ChunkRecord, TensorLayout
 from preshard.format.slicing import SMALL_BAND_BYTES, Band, BufferPool, cast_band, cut_band, source_row_bytes
 from preshard.sources.reader import band_buffer_bytes
@@ -329,8 +330,7 @@ class WritePipeline:
         self._workers = writers
         reader = threading.Thread(target=self._read, name="read", daemon=True)
         journal = threading.Thread(target=self._journal_loop, name="journal", daemon=True)
-        for thread in (*writers, reader, journal):
-            thread.start()
+        self._start((*writers, reader, journal), queues)
         failure: BaseException | None = None
         try:
             self._feed(queues)
@@ -355,6 +355,23 @@ class WritePipeline:
         if failure is not None:
             raise failure
         return {name: [by_position[i] for i in sorted(by_position)] for name, by_position in self.records.items()}
+
+    def _start(self, threads: tuple[threading.Thread, ...], queues: dict[str, queue.SimpleQueue]) -> None:
+        """Start every thread; if one cannot start (a thread or memory limit), stop those that did and say so."""
+        started = []
+        try:
+            for thread in threads:
+                thread.start()
+                started.append(thread)
+        except RuntimeError as exc:
+            self.halt.set()
+            self.abort.set()
+            for q in queues.values():
+                q.put(_STOP)
+            self.jobs.put(None)
+            for thread in started:
+                thread.join()
+            raise ResourceError.of(exc, "starting the conversion's threads") or exc from None
 
     def _feed(self, queues: dict[str, queue.SimpleQueue]) -> None:
         """Cut every band the reader delivers and hand the pieces to the writers; sync markers in between."""

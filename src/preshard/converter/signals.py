@@ -10,6 +10,13 @@ Before and after the writing (planning, waiting for the output's lock, printing 
 half-written, so there a signal may stop the command at once: under `raising_signals` (the CLI's) both
 raise `Interrupted`, so the command ends with one line and 130/143 instead of a KeyboardInterrupt
 traceback or a silent death by SIGTERM.
+
+A signal is never lost. An exception raised by a handler can be swallowed by the code it lands in (numpy's
+import, run by `import torch`, catches it; so does any `except Exception`), so the raising handler also
+records what it received: `deferred_signals` starts with that signal already set (the command stops at its
+first safe point, before writing), and `raising_signals` raises it again when its block would otherwise end
+normally. A signal deferred until after the last safe point (the output committed) is delivered to the
+handler that was there before once the block ends. So a command that received SIGINT or SIGTERM never exits 0.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ class StopFlag:
 
     def __init__(self) -> None:
         self.signal_number: int | None = None
+        self.raised = False  # `check` raised for it: the signal has been acted on
 
     def check(self) -> None:
         """Raise `Interrupted` if a signal arrived.
@@ -37,10 +45,37 @@ class StopFlag:
             Interrupted: carrying the signal's number (the CLI exits with 128 + it).
         """
         if self.signal_number is not None:
+            self.raised = True
             raise Interrupted(
                 f"{_NAMES[self.signal_number]}; the finished part is kept: re-run the same command to resume",
                 self.signal_number,
             )
+
+
+class _RaisingHandler:
+    """`raising_signals`' handler: raises `Interrupted`, and remembers the signal in case the exception is swallowed."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+
+    def __call__(self, signum, frame) -> None:
+        self.received = signum
+        raise Interrupted(_NAMES[signum], signum)
+
+
+def received_signal() -> int | None:
+    """The signal a `raising_signals` handler in place has received (and raised), if any: what a command that is
+    ending for another reason must report instead (the reason may be the signal's exception, swallowed and turned
+    into another error by the code it landed in)."""
+    for signum in _NAMES:
+        handler = signal.getsignal(signum)
+        if isinstance(handler, _RaisingHandler) and handler.received is not None:
+            return handler.received
+    return None
+
+
+def interruption(signum: int) -> Interrupted:
+    return Interrupted(_NAMES[signum], signum)
 
 
 def _in_main_thread() -> bool:
@@ -69,15 +104,18 @@ def deferred_signals() -> Iterator[StopFlag]:
         old = signal.getsignal(signum)
         if old is not signal.SIG_IGN:
             previous[signum] = signal.signal(signum, handler)
+        if isinstance(old, _RaisingHandler) and old.received == signum and flag.signal_number is None:
+            flag.signal_number = signum  # received before, and its exception swallowed: stop at the first check
+    completed = False
     try:
         yield flag
+        completed = True
     finally:
         for signum, old in previous.items():
             signal.signal(signum, old)
-
-
-def _raise_interrupted(signum, frame) -> None:
-    raise Interrupted(_NAMES[signum], signum)
+        if completed and flag.signal_number is not None and not flag.raised:
+            # Deferred past the last check (the work is done): the handler from before acts on it now.
+            signal.raise_signal(flag.signal_number)
 
 
 @contextlib.contextmanager
@@ -96,11 +134,14 @@ def raising_signals(ignore_after: bool = False) -> Iterator[None]:
         return
     defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
     previous = {}
+    handler = _RaisingHandler()
     for signum, default in defaults.items():
         if signal.getsignal(signum) is default:
-            previous[signum] = signal.signal(signum, _raise_interrupted)
+            previous[signum] = signal.signal(signum, handler)
     try:
         yield
+        if handler.received is not None:  # raised, and swallowed where it landed: the command must not succeed
+            raise interruption(handler.received)
     finally:
         for signum in defaults if ignore_after else ():
             if signal.getsignal(signum) is not signal.SIG_IGN:

@@ -3,10 +3,12 @@
 Everything is written into a hidden sibling `.<out>.partial/`, guarded by an exclusive `flock` on
 `.<out>.lock` for the whole run (a second conversion into the same output fails at once naming the
 first one's pid, or waits; the kernel drops the lock of a process that dies, so no lock goes stale).
-A journal records each finished tensor with its chunk checksums once its bytes are durable (batched
-fsyncs). A re-run of the same job re-checks the journalled records completely, framing and data, keeps
-what is intact and redoes the rest. Only when every file is complete and fsynced, the manifest written
-last, is the folder renamed into place: a crash leaves no output or the previous complete one.
+A journal records each finished tensor with its chunk checksums and a proof of the source bytes it
+came from, once its bytes are durable (batched fsyncs). A re-run of the same job keeps a journalled
+tensor only if the source still holds those bytes (the proof, re-derived from the source as it is now)
+and its records are intact (re-checked completely, framing and data), and redoes the rest. Only when
+every file is complete and fsynced, the manifest written last, is the folder renamed into place: a crash
+leaves no output or the previous complete one.
 """
 
 from __future__ import annotations
@@ -26,7 +28,14 @@ from pathlib import Path
 
 from preshard.converter.signals import StopFlag, deferred_signals
 from preshard.converter.writer import RecordFileWriter
-from preshard.errors import CorruptCheckpointError, OutputError
+from preshard.errors import (
+    CorruptCheckpointError,
+    DamagedRecord,
+    OutputError,
+    OutputExistsError,
+    OutputLockedError,
+    OutputPermissionError,
+)
 from preshard.format.jsonio import fsync_dir
 from preshard.format.layout import ChunkRecord, FileLayout, data_file_name
 from preshard.format.manifest import MANIFEST_FORMAT, MANIFEST_NAME
@@ -101,6 +110,10 @@ def check_output(output: Path, source_paths: list[Path], overwrite: bool, kind: 
         raise OutputError(f"output {given} is a file; pass a directory path for the converted checkpoint")
     if not output.parent.is_dir():
         raise OutputError(f"the parent folder of {given} does not exist; create it first")
+    if not os.access(output.parent, os.W_OK | os.X_OK):
+        raise OutputPermissionError(
+            f"cannot write in {output.parent} (permission denied); pick an output folder this user can write to"
+        )
     out = output.resolve()
     for source in source_paths:
         source = source.resolve()
@@ -108,9 +121,9 @@ def check_output(output: Path, source_paths: list[Path], overwrite: bool, kind: 
             raise OutputError(f"output {given} overlaps the source {source}; write the conversion elsewhere")
     if output.exists() and any(output.iterdir()):
         if not overwrite:
-            raise OutputError(f"output {given} already exists; pass --overwrite to replace it")
+            raise OutputExistsError(f"output {given} already exists; pass --overwrite to replace it")
         if not kind.recognise(output):
-            raise OutputError(
+            raise OutputExistsError(
                 f"output {given} is not {kind.noun}, and --overwrite replaces only that: "
                 "remove the folder yourself or name a new one"
             )
@@ -228,7 +241,7 @@ class OutputLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if self.wait else fcntl.LOCK_NB))
         except BlockingIOError:
-            raise OutputError(
+            raise OutputLockedError(
                 f"another conversion (pid {_read_holder(fd)}) is writing {self.output}; wait for it to finish, "
                 "or pass --wait"
             ) from None
@@ -345,14 +358,6 @@ def commit(work: Path, output: Path) -> None:
     fsync_dir(output.parent)
 
 
-class DamagedRecord(CorruptCheckpointError):
-    """A record kept from an earlier run is damaged; `tensor` names it (a resume redoes it and what follows)."""
-
-    def __init__(self, message: str, tensor: str) -> None:
-        super().__init__(message)
-        self.tensor = tensor
-
-
 def open_writers(
     work: Path, tp: int, done: dict[str, list[ChunkRecord]], check_stop: Callable[[], None] | None = None
 ) -> dict[int, RecordFileWriter]:
@@ -383,11 +388,23 @@ def open_writers(
 
 
 def resume(
-    work: Path, write_order: list[str], files: FileLayout, tp: int, check_stop: Callable[[], None] | None = None
+    work: Path,
+    write_order: list[str],
+    files: FileLayout,
+    tp: int,
+    check_stop: Callable[[], None] | None = None,
+    prove: Callable[[list[tuple[str, str | None]], Callable[[], None] | None], int] | None = None,
 ) -> tuple[dict[str, list[ChunkRecord]], dict[int, RecordFileWriter]]:
-    """The journalled tensors that are still intact (a prefix of the write order, every record re-checked), and
-    writers positioned right after them: a damaged record and everything written after it is redone."""
+    """The journalled tensors that are still intact (a prefix of the write order, every record re-checked) and
+    still what the source holds, and writers positioned right after them: a damaged record, a tensor whose source
+    bytes changed, and everything written after either is redone.
+
+    Args:
+        prove: `prove([(tensor, journalled source proof), ...], check_stop)` says how many leading tensors the
+            source proves unchanged (`SourceRows.prove`); without it nothing is kept.
+    """
     done: dict[str, list[ChunkRecord]] = {}
+    proofs: list[tuple[str, str | None]] = []
     for name, entry in zip(write_order, read_journal(work)):
         planned = files.chunks[name]
         sums = entry.get("chunks")
@@ -398,6 +415,10 @@ def resume(
         done[name] = [
             ChunkRecord(c.tensor, c.owner, c.box, c.file, c.offset, c.framing, s) for c, s in zip(planned, sums)
         ]
+        source = entry.get("source")
+        proofs.append((name, source if isinstance(source, str) else None))
+    proven = prove(proofs, check_stop) if prove is not None and proofs else 0
+    done = {name: done[name] for name, _ in proofs[:proven]}
     while True:
         try:
             return done, open_writers(work, tp, done, check_stop)
@@ -418,6 +439,7 @@ def fresh_workdir(
     """
     check_output(output, inputs, overwrite, kind)
     with OutputLock(output, wait=wait), deferred_signals() as stop:
+        stop.check()  # a signal that came before, its exception swallowed: stop before writing
         check_output(output, inputs, overwrite, kind)  # again, now that we hold the lock
         work = partial_dir(output)
         if work.is_symlink() or work.is_file():

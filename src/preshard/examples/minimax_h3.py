@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from preshard.errors import PreshardError
+from preshard.errors import PreshardError, UsageError
 
 if TYPE_CHECKING:
     from diffusers import MiniMaxH3Transformer3DModel
@@ -54,7 +54,7 @@ WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 WEIGHTS_INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
 
 
-def _model_class() -> type[MiniMaxH3Transformer3DModel]:
+def model_class() -> type[MiniMaxH3Transformer3DModel]:
     try:
         from diffusers import MiniMaxH3Transformer3DModel
     except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -66,10 +66,10 @@ def _model_class() -> type[MiniMaxH3Transformer3DModel]:
 
 def tiny_config(**overrides: Any) -> dict[str, Any]:
     """A small MiniMax-H3 config with the real model's structure; overrides must be constructor args."""
-    allowed = set(inspect.signature(_model_class().__init__).parameters) - {"self"}
+    allowed = set(inspect.signature(model_class().__init__).parameters) - {"self"}
     unknown = sorted(set(overrides) - allowed)
     if unknown:
-        raise PreshardError(f"unknown MiniMaxH3Transformer3DModel config keys {unknown}; valid: {sorted(allowed)}")
+        raise UsageError(f"unknown MiniMaxH3Transformer3DModel config keys {unknown}; valid: {sorted(allowed)}")
     config = {k: (list(v) if isinstance(v, list | tuple) else v) for k, v in _TINY_CONFIG.items()}
     config.update(overrides)
     return config
@@ -80,7 +80,7 @@ def _constructor_kwargs(config: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in config.items() if not k.startswith("_")}
 
 
-def _keeps_fp32(name: str, keep_in_fp32: list[str]) -> bool:
+def keeps_fp32(name: str, keep_in_fp32: list[str]) -> bool:
     # The same test diffusers applies when loading: a keep-entry must equal one dotted component.
     parts = name.split(".")
     return any(m in parts for m in keep_in_fp32)
@@ -121,13 +121,13 @@ def build_model(
     stored) stays float32 in every mode.
     """
     if dtype not in _DTYPES:
-        raise PreshardError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
-    cls = _model_class()
+        raise UsageError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
+    cls = model_class()
     model = cls(**_constructor_kwargs(config if config is not None else tiny_config()))
     _reinit_(model, seed)
     keep_in_fp32 = list(getattr(cls, "_keep_in_fp32_modules", None) or [])
     for name, param in model.named_parameters():
-        if dtype == "float32" or (dtype == "mixed" and _keeps_fp32(name, keep_in_fp32)):
+        if dtype == "float32" or (dtype == "mixed" and keeps_fp32(name, keep_in_fp32)):
             target = torch.float32
         else:
             target = torch.bfloat16
@@ -159,7 +159,7 @@ def save_checkpoint(model: torch.nn.Module, directory: str | Path, max_shard_byt
         save_file(state, str(directory / WEIGHTS_NAME), metadata=metadata)
         return directory
     if max_shard_bytes <= 0:
-        raise PreshardError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+        raise UsageError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
 
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -209,9 +209,9 @@ def make_inputs(
     position_ids hold integer-valued (t, h, w) coordinates (float32, as the pipeline passes floats).
     """
     if seq_len < 3:
-        raise PreshardError(f"seq_len must be >= 3 (one text, one video and one audio row), got {seq_len}")
+        raise UsageError(f"seq_len must be >= 3 (one text, one video and one audio row), got {seq_len}")
     if batch_size < 1:
-        raise PreshardError(f"batch_size must be >= 1, got {batch_size}")
+        raise UsageError(f"batch_size must be >= 1, got {batch_size}")
     gen = torch.Generator().manual_seed(seed)
     patch = config.get("patch_size", _TINY_CONFIG["patch_size"])
     video_dim = int(config["in_channels"]) * math.prod(int(p) for p in patch)

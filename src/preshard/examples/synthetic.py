@@ -6,9 +6,9 @@ mix of float32 and bfloat16 sets the byte layout, and row/column slicing costs d
 row lengths. Building those weights with torch would need the memory of the whole model and minutes
 of random number generation, for values that no benchmark looks at. So:
 
-* `minimax_h3_tensors` builds the diffusers model on the meta device (no storage) and returns every
-  persistent tensor's safetensors dtype code and shape in state-dict order, with the config dict;
-  dtypes mix float32 and bfloat16 the way the published checkpoint does.
+* `minimax_h3_tensors` (and `model_tensors` for any diffusers class) builds the model on the meta device
+  (no storage) and returns every persistent tensor's safetensors dtype code and shape in state-dict order,
+  with the config dict; dtypes mix float32 and bfloat16 the way the published checkpoint does.
 * `write_safetensors_checkpoint` writes diffusers' layout (config.json, one safetensors file or a
   numbered set with its index) with real safetensors headers, streaming the data from one repeated
   random buffer, or as a hole (`os.truncate`), so the full 66 GB model costs no disk and no time
@@ -31,8 +31,8 @@ from typing import Any, Literal
 
 import torch
 
-from preshard.errors import PreshardError
-from preshard.examples.minimax_h3 import WEIGHTS_INDEX_NAME, WEIGHTS_NAME, _keeps_fp32, _model_class
+from preshard.errors import UsageError
+from preshard.examples.minimax_h3 import WEIGHTS_INDEX_NAME, WEIGHTS_NAME, keeps_fp32, model_class
 
 TensorSpecs = dict[str, tuple[str, tuple[int, ...]]]
 
@@ -65,30 +65,42 @@ def minimax_h3_tensors(
     `_keep_in_fp32_modules` are F32 (matched on whole dotted components, as diffusers does), the rest
     BF16. The config dict is what config.json holds, `_class_name` included.
     """
-    cls = _model_class()
-    params = inspect.signature(cls.__init__).parameters
     overrides = dict(config_overrides)
     if num_layers is not None:
         overrides["num_layers"] = num_layers
     if num_refiner_layers is not None:
         overrides["num_refiner_layers"] = num_refiner_layers
-    unknown = sorted(set(overrides) - (set(params) - {"self"}))
+    return model_tensors(model_class(), **overrides)
+
+
+def model_tensors(cls: type, **config: Any) -> tuple[TensorSpecs, dict[str, Any]]:
+    """Every persistent tensor of the diffusers model class `cls` built from `config` (constructor arguments;
+    the rest take the class defaults) as {name: (safetensors dtype code, shape)}, and its config.json dict.
+
+    Built on the meta device: no memory, whatever the size. Tensors come in state-dict order, BF16 except the
+    modules the class lists in `_keep_in_fp32_modules` (F32), as a bf16 load of the model holds them.
+
+    Raises:
+        PreshardError: a config key the class does not take, or a state entry that is not floating point.
+    """
+    params = inspect.signature(cls.__init__).parameters
+    unknown = sorted(set(config) - (set(params) - {"self"}))
     if unknown:
-        raise PreshardError(f"unknown {cls.__name__} config keys {unknown}")
+        raise UsageError(f"unknown {cls.__name__} config keys {unknown}")
     with torch.device("meta"):
-        model = cls(**overrides)
+        model = cls(**config)
     keep = list(getattr(cls, "_keep_in_fp32_modules", None) or [])
     tensors: TensorSpecs = {}
     for name, t in model.state_dict().items():
-        code = "F32" if _keeps_fp32(name, keep) else "BF16"
+        code = "F32" if keeps_fp32(name, keep) else "BF16"
         if t.dtype not in _TORCH_CODES:  # a non-float state entry would keep its own dtype
-            raise PreshardError(f"{name}: unexpected dtype {t.dtype} in {cls.__name__}")
+            raise UsageError(f"{name}: unexpected dtype {t.dtype} in {cls.__name__}")
         tensors[name] = (code, tuple(t.shape))
-    config: dict[str, Any] = {"_class_name": cls.__name__}
+    out: dict[str, Any] = {"_class_name": cls.__name__}
     for key, value in model.config.items():
         if not key.startswith("_"):
-            config[key] = list(value) if isinstance(value, tuple) else value
-    return tensors, config
+            out[key] = list(value) if isinstance(value, tuple) else value
+    return tensors, out
 
 
 def tensor_nbytes(spec: tuple[str, tuple[int, ...]]) -> int:
@@ -108,7 +120,7 @@ def _shards(tensors: Mapping[str, tuple[str, tuple[int, ...]]], max_shard_bytes:
     if max_shard_bytes is None or max_shard_bytes >= total_nbytes(tensors):
         return [names]
     if max_shard_bytes <= 0:
-        raise PreshardError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+        raise UsageError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     shards: list[list[str]] = [[]]
     size = 0
     for name in names:
@@ -129,7 +141,7 @@ def safetensors_header(tensors: Mapping[str, tuple[str, tuple[int, ...]]]) -> tu
     """
     for name, (code, _) in tensors.items():
         if code not in ITEMSIZE:
-            raise PreshardError(f"{name}: unsupported safetensors dtype {code!r}")
+            raise UsageError(f"{name}: unsupported safetensors dtype {code!r}")
     order = sorted(tensors, key=lambda n: (-_DTYPE_RANK[tensors[n][0]], n))
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
@@ -180,7 +192,7 @@ def write_safetensors_checkpoint(
     and truncates each file to its full size (sparse: no data blocks, reads return zeros).
     """
     if data not in ("random", "hole"):
-        raise PreshardError(f"data must be 'random' or 'hole', got {data!r}")
+        raise UsageError(f"data must be 'random' or 'hole', got {data!r}")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(dict(config), indent=2) + "\n")

@@ -21,6 +21,7 @@ changes them fails there, not silently.
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 from pathlib import Path
@@ -82,12 +83,16 @@ def dcp_metadata_bytes(manifest: Manifest) -> bytes:
     return data
 
 
-def write_dcp_metadata(directory: Path, manifest: Manifest, data: bytes | None = None) -> None:
-    """Write (and fsync) `.metadata` for `manifest` (`data`: its `dcp_metadata_bytes`, when made already)."""
+def write_dcp_metadata(directory: Path, manifest: Manifest, data: bytes | None = None) -> bytes:
+    """Write `.metadata` (flushed and fsynced) for `manifest` (`data`: its `dcp_metadata_bytes`, when made
+    already); returns its bytes, for the manifest's record of it."""
+    if data is None:
+        data = dcp_metadata_bytes(manifest)
     with open(Path(directory) / DCP_METADATA_NAME, "wb") as f:
-        f.write(dcp_metadata_bytes(manifest) if data is None else data)
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    return data
 
 
 _ALLOWED_GLOBALS = {
@@ -125,23 +130,27 @@ def read_dcp_metadata(path: Path) -> Metadata:
         return _DcpUnpickler(f).load()
 
 
-def dcp_metadata_problems(path: Path, manifest: Manifest) -> list[str]:
-    """How `.metadata` disagrees with the manifest (empty: it describes the same chunks at the same bytes)."""
-    if not path.is_file():
+def dcp_metadata_problems(raw: bytes | None, manifest: Manifest) -> list[str]:
+    """How `.metadata` (its bytes; None when it is missing) disagrees with the manifest (empty: it describes the
+    same chunks at the same bytes, and has the size and hash the manifest records, where it records them)."""
+    if raw is None:
         return [f"{DCP_METADATA_NAME} is missing (torch's dcp.load and dcp_to_torch_save need it)"]
+    problems = []
+    record = manifest.metadata
+    if record is not None and not record.matches(raw):  # and what is wrong with it, below (read restricted)
+        problems.append(f"{DCP_METADATA_NAME} differs from the one written with the checkpoint (size or xxh3_128)")
     try:
-        meta = read_dcp_metadata(path)
+        meta = _DcpUnpickler(io.BytesIO(raw)).load()
         tensors = dict(meta.state_dict_metadata)
         storage = {(k.fqn, tuple(k.offset), k.index): v for k, v in meta.storage_data.items()}
     except Exception as exc:  # a damaged pickle fails in many ways; all mean the same here
-        return [f"{DCP_METADATA_NAME} cannot be read ({type(exc).__name__}); torch's dcp.load would fail"]
-    problems = []
+        return [*problems, f"{DCP_METADATA_NAME} cannot be read ({type(exc).__name__}); torch's dcp.load would fail"]
     missing = sorted(set(manifest.tensors) - set(tensors))
     extra = sorted(set(tensors) - set(manifest.tensors))
     if missing:
-        problems.append(f"{DCP_METADATA_NAME} lacks {len(missing)} tensors of the manifest, e.g. {missing[0]}")
+        problems.append(f"{DCP_METADATA_NAME} lacks {len(missing)} of the manifest's tensors, e.g. {missing[0]}")
     if extra:
-        problems.append(f"{DCP_METADATA_NAME} has {len(extra)} tensors the manifest lacks, e.g. {extra[0]}")
+        problems.append(f"{DCP_METADATA_NAME} names {len(extra)} more tensors than the manifest, e.g. {extra[0]}")
     for name, record in manifest.tensors.items():
         if name not in tensors:
             continue

@@ -1,8 +1,8 @@
 """JSON files on disk: strict reading with one-line errors, and atomic, durable writing.
 
 Every JSON file preshard reads (manifest, plan, config, index) can be hand-edited or damaged, so
-reading never raises anything but the caller's `PreshardError` subclass: not valid UTF-8, not JSON,
-nested too deeply for the parser, or of the wrong top-level type.
+reading never raises anything but the caller's `PreshardError` subclass: not a regular file (a FIFO is refused,
+never waited on), not valid UTF-8, not JSON, nested too deeply for the parser, or of the wrong top-level type.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from preshard.errors import PreshardError
+from preshard.format.folder import read_regular
 
 
 def parse_json_text(text: str | bytes, where: str, error: type[PreshardError], fix: str) -> Any:
@@ -32,11 +33,9 @@ def parse_json_text(text: str | bytes, where: str, error: type[PreshardError], f
 def read_json(path: Path, where: str, error: type[PreshardError], fix: str, expect: type | None = dict) -> Any:
     """Read a JSON file, optionally requiring its top level to be of type `expect`."""
     try:
-        raw = Path(path).read_bytes()
+        raw = read_regular(path, where, error, fix)  # a FIFO is refused, never waited on
     except FileNotFoundError:
         raise error(f"{where} does not exist; {fix}") from None
-    except IsADirectoryError:
-        raise error(f"{where} is a folder, not a JSON file; {fix}") from None
     except OSError as exc:
         raise error(f"{where} cannot be read ({exc.strerror or exc}); {fix}") from None
     data = parse_json_text(raw, where, error, fix)

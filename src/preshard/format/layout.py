@@ -25,6 +25,21 @@ from preshard.format.styles import REPLICATE, Box, Style
 from preshard.format.torch_record import RecordFraming, record_framing
 
 DATA_FILE_PATTERN = "__{}_0.distcp"
+INT64_MAX = (1 << 63) - 1
+
+
+def fits_int64(shape: Iterable[int], itemsize: int) -> bool:
+    """Whether torch can hold a tensor of `shape`: its contiguous strides (a zero-size dim counts as 1, as torch
+    computes them) and its byte size fit int64. Checked before anything iterates over or allocates a shape read from
+    a file, so a hostile header costs one line, not memory or time."""
+    span = max(itemsize, 1)
+    for size in shape:
+        if size < 0:
+            return False
+        span *= max(size, 1)
+        if span > INT64_MAX:
+            return False
+    return True
 
 
 def data_file_name(tp_rank: int) -> str:
@@ -57,7 +72,12 @@ class TensorLayout:
         if style.name == REPLICATE.name:
             return cls(name, style, None, None, shape, dtype, source_dtype)
         param = name.rpartition(".")[2]
-        if param not in ("weight", "bias") or len(shape) != (2 if param == "weight" else 1):
+        if param not in ("weight", "bias") or len(shape) != (style.weight_ndim() if param == "weight" else 1):
+            if style.module_kind == "norm":
+                raise PlanError(
+                    f"{style.name} names {name} of shape {list(shape)}, which is not a norm weight or bias "
+                    "[features]; point the rule at RMSNorm modules only"
+                )
             raise PlanError(
                 f"{style.name} names {name} of shape {list(shape)}, which is not a Linear weight [out, in] or "
                 "bias [out]; point the rule at Linear modules only"
@@ -169,6 +189,13 @@ class ChunkRecord:
     @property
     def end(self) -> int:
         return self.offset + self.framing.length
+
+    @property
+    def load_bytes(self) -> int:
+        """The bytes a rank reads of this record at load: its framing header (checked against the manifest at every
+        load) and its data; the trailer is never read. The one definition of "bytes read at load" that `plan`,
+        `--dry-run`, `inspect` and the load report use (JSON key `read_bytes_per_rank`)."""
+        return self.framing.data_offset + self.framing.data_length
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ sizes, each record's framing, config.json's hash) and with `verify=True` per chu
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import re
 from dataclasses import dataclass, replace
@@ -27,10 +28,18 @@ from typing import Any
 import torch
 import xxhash
 
-from preshard.errors import CorruptCheckpointError, PlanError, PreshardError, UsageError
+from preshard.errors import (
+    CheckpointFileMissingError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    PlanError,
+    PreshardError,
+    UsageError,
+)
 from preshard.format.dtypes import CAST_TARGETS, cast_dtype, dtype_from_name, dtype_name
-from preshard.format.jsonio import canonical_json, read_json
-from preshard.format.layout import ChunkRecord, TensorLayout, data_file_name
+from preshard.format.folder import CheckpointFolder
+from preshard.format.jsonio import canonical_json, parse_json_text
+from preshard.format.layout import INT64_MAX, ChunkRecord, TensorLayout, data_file_name, fits_int64
 from preshard.format.mesh import MeshSpec
 from preshard.format.plan import Plan, resolve_plan
 from preshard.format.styles import make_style
@@ -53,9 +62,9 @@ def created_now() -> str:
     source are byte-identical."""
     epoch = os.environ.get("SOURCE_DATE_EPOCH")
     when = (
-        datetime.datetime.fromtimestamp(int(epoch), datetime.timezone.utc)
+        datetime.datetime.fromtimestamp(int(epoch), datetime.UTC)
         if epoch and epoch.isdigit()
-        else datetime.datetime.now(datetime.timezone.utc)
+        else datetime.datetime.now(datetime.UTC)
     )
     return when.isoformat(timespec="seconds")
 
@@ -127,6 +136,44 @@ class SourceFile:
 
 
 @dataclass(frozen=True)
+class LoraModule:
+    """What one LoRA changed in one Linear: `W += scaling * B @ A` with A of `rank` rows (and its bias by `scaling *
+    B.bias` when `bias`). `scaling` is PEFT's (alpha / rank, or what the file's adapter config says) times the
+    user's scale."""
+
+    rank: int
+    scaling: float
+    bias: bool = False
+
+
+@dataclass(frozen=True)
+class LoraRecord:
+    """A LoRA fused into the weights at conversion (`convert-checkpoint --lora`): which file, with what scale, read
+    how, and what it changed. Why: the checkpoint's weights are no longer the source's, and the record says by what."""
+
+    name: str  # the file name
+    path: str  # as given (for a Hub LoRA: repo id / file)
+    size: int
+    xxh3_128: str
+    scale: float  # --lora-scale
+    loader: str  # what read the file's keys (a diffusers LoRA loader, or safetensors for the diffusers/PEFT format)
+    converted: bool  # its keys were in another format (kohya, ...) and converted by `loader`
+    modules: dict[str, LoraModule]
+    repo_id: str | None = None
+    commit: str | None = None
+
+    def tensors(self) -> set[str]:
+        """The checkpoint tensors this LoRA changed."""
+        touched = {f"{m}.weight" for m in self.modules}
+        return touched | {f"{m}.bias" for m, info in self.modules.items() if info.bias}
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {k: v for k, v in vars(self).items() if k != "modules"}
+        data["modules"] = {m: vars(info).copy() for m, info in sorted(self.modules.items())}
+        return data
+
+
+@dataclass(frozen=True)
 class Source:
     kind: str  # file | folder | hub
     path: str  # as given (a repo id for the Hub)
@@ -137,6 +184,11 @@ class Source:
     subfolder: str | None = None
     revision: str | None = None  # as requested
     commit: str | None = None  # as resolved
+    loras: tuple[LoraRecord, ...] = ()  # fused at conversion, in the order applied; absent from the JSON when none
+
+    def lora_tensors(self) -> set[str]:
+        """The tensors a fused LoRA changed: they no longer equal the source's."""
+        return set().union(*(lora.tensors() for lora in self.loras)) if self.loras else set()
 
 
 @dataclass(frozen=True)
@@ -162,6 +214,7 @@ class Manifest:
     preshard_version: str = ""
     created: str = ""
     digest: str = ""
+    metadata: FileRecord | None = None  # `.metadata`'s size and hash (absent from manifests written before it)
 
     @property
     def tp(self) -> int:
@@ -170,6 +223,10 @@ class Manifest:
     def chunks_for_tp_rank(self, tp_rank: int) -> dict[str, list[ChunkRecord]]:
         """What one TP rank reads: its own chunks plus every replicated tensor."""
         return {name: [c for c in record.chunks if c.owner in (None, tp_rank)] for name, record in self.tensors.items()}
+
+    def read_bytes(self, tp_rank: int) -> int:
+        """The bytes this TP rank reads at load (`ChunkRecord.load_bytes` of each record it reads)."""
+        return sum(c.load_bytes for chunks in self.chunks_for_tp_rank(tp_rank).values() for c in chunks)
 
     def files_for_tp_rank(self, tp_rank: int) -> list[str]:
         names = {c.file for chunks in self.chunks_for_tp_rank(tp_rank).values() for c in chunks}
@@ -212,6 +269,7 @@ class Manifest:
                 "index_text": source.index_text, "repo_id": source.repo_id, "subfolder": source.subfolder,
                 "revision": source.revision, "commit": source.commit,
                 "files": [vars(f).copy() for f in source.files],
+                **({"loras": [lora.to_dict() for lora in source.loras]} if source.loras else {}),
             },
             "derived_from": vars(self.derived_from).copy() if self.derived_from else None,
             "mesh": self.mesh.to_dict(),
@@ -223,6 +281,8 @@ class Manifest:
             "tensors": {name: self.tensors[name].to_dict() for name in sorted(self.tensors)},
             "files": [vars(f).copy() for f in self.files],
             "ranks": self.rank_table(),
+            # Only when recorded, so that a manifest written before the field existed keeps its digest.
+            **({"metadata": vars(self.metadata).copy()} if self.metadata is not None else {}),
         }  # fmt: skip
 
     def compute_digest(self) -> str:
@@ -251,26 +311,59 @@ class Manifest:
         return _Parser(origin).manifest(data)
 
 
+def manifest_folder(checkpoint: str | Path) -> Path:
+    """The checkpoint folder `checkpoint` names: the folder itself, or the folder of a `manifest.json` path.
+
+    Raises:
+        CheckpointNotFoundError: no such folder. CorruptCheckpointError: a file that is not a manifest.json.
+    """
+    path = Path(checkpoint)
+    if path.is_dir():
+        return path
+    if path.name == MANIFEST_NAME and path.parent.is_dir():
+        return path.parent
+    if path.exists():
+        raise CorruptCheckpointError(
+            f"checkpoint {checkpoint} is a file, not a checkpoint folder; pass the folder convert-checkpoint wrote"
+        )
+    raise CheckpointNotFoundError(f"checkpoint {checkpoint} does not exist; pass the folder convert-checkpoint wrote")
+
+
 def read_manifest(checkpoint: str | Path) -> Manifest:
     """The manifest of a converted checkpoint folder (or of the `manifest.json` path itself).
+
+    Read through `CheckpointFolder`: a manifest that is a link out of the folder, or not a regular file, is refused.
 
     Raises:
         CorruptCheckpointError: no manifest (an incomplete conversion), or one that is damaged or edited.
     """
-    path = Path(checkpoint)
-    if path.is_dir():
-        path = path / MANIFEST_NAME
-    elif not path.exists() and (path.name != MANIFEST_NAME or not path.parent.is_dir()):
+    folder = CheckpointFolder(manifest_folder(checkpoint))
+    try:
+        raw = folder.read_bytes(MANIFEST_NAME)
+    except FileNotFoundError:
+        raise missing_manifest(folder.path) from None
+    return manifest_from_bytes(raw, folder.where(MANIFEST_NAME))
+
+
+def missing_manifest(folder: Path) -> CheckpointFileMissingError:
+    return CheckpointFileMissingError(
+        f"{folder} is not a complete preshard checkpoint ({MANIFEST_NAME} is missing); "
+        "convert it with convert-checkpoint, or re-run an interrupted conversion"
+    )
+
+
+def manifest_from_bytes(raw: bytes, origin: str) -> Manifest:
+    """Parse and validate a manifest's bytes (as read from `origin`).
+
+    Raises:
+        CorruptCheckpointError: not a JSON object, or a damaged or edited manifest.
+    """
+    data = parse_json_text(raw, origin, CorruptCheckpointError, "the checkpoint is damaged; convert it again")
+    if not isinstance(data, dict):
         raise CorruptCheckpointError(
-            f"checkpoint {checkpoint} does not exist; pass the folder convert-checkpoint wrote"
+            f"{origin} must hold a JSON object, not {type(data).__name__}; the checkpoint is damaged; convert it again"
         )
-    if not path.is_file():
-        raise CorruptCheckpointError(
-            f"{path.parent} is not a complete preshard checkpoint ({MANIFEST_NAME} is missing); "
-            "convert it with convert-checkpoint, or re-run an interrupted conversion"
-        )
-    data = read_json(path, str(path), CorruptCheckpointError, "the checkpoint is damaged; convert it again")
-    return Manifest.from_dict(data, str(path))
+    return Manifest.from_dict(data, origin)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -304,6 +397,8 @@ class _Parser:
     def int(self, value: Any, where: str) -> int:
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise self.bad(f"{where} must be a whole number >= 0")
+        if value > INT64_MAX:
+            raise self.bad(f"{where} is {value}, more than a 64-bit size can hold")
         return value
 
     def str(self, value: Any, where: str, optional: bool = False) -> str | None:
@@ -319,9 +414,23 @@ class _Parser:
         return value
 
     def plain_name(self, value: Any, where: str) -> str:
-        if not isinstance(value, str) or not value or Path(value).name != value or value in (".", ".."):
+        if (
+            not isinstance(value, str)
+            or not value
+            or Path(value).name != value
+            or value in (".", "..")
+            or "\0" in value
+            or "\\" in value
+        ):
             raise self.bad(f"{where} {value!r} is not a plain file name")
         return value
+
+    def shape(self, value: Any, where: str, dtype: torch.dtype) -> tuple[int, ...]:
+        """A shape whose contiguous strides and byte size fit int64 (what torch can allocate and address)."""
+        shape = self.ints(value, f"{where} shape")
+        if not fits_int64(shape, dtype.itemsize):
+            raise self.bad(f"{where} shape {list(shape)} of {dtype_name(dtype)} is larger than a 64-bit size holds")
+        return shape
 
     def ints(self, value: Any, where: str) -> tuple[int, ...]:
         if not isinstance(value, list):
@@ -366,7 +475,7 @@ class _Parser:
             "format", "version", "preshard_version", "created", "source", "derived_from", "mesh", "plan", "dtype",
             "config", "records", "checksums", "tensors", "files", "ranks", "digest",
         }  # fmt: skip
-        self.obj(data, "manifest", top)
+        self.obj(data, "manifest", top, {"metadata"})
         digest = self.hex(data["digest"], "digest", _HEX32)
         body = {k: v for k, v in data.items() if k != "digest"}
         if xxhash.xxh3_128_hexdigest(canonical_json(body)) != digest:
@@ -383,6 +492,12 @@ class _Parser:
             mesh = MeshSpec.from_dict(data["mesh"])
         except UsageError as exc:
             raise self.bad(f"mesh: {exc}") from None
+        # The rank table is rebuilt below from the mesh: bound it by the table the file holds before building it.
+        if not isinstance(data["ranks"], list) or len(data["ranks"]) != mesh.world_size:
+            raise self.bad(
+                f"the rank table lists {len(data['ranks']) if isinstance(data['ranks'], list) else 'no'} ranks, "
+                f"but the mesh {mesh.describe()} has {mesh.world_size}"
+            )
         try:
             plan = Plan.from_dict(data["plan"], origin="plan")
         except PlanError as exc:
@@ -403,6 +518,7 @@ class _Parser:
             tensors=tensors,
             files=files,
             config=self.file_record(data["config"], "config") if data["config"] is not None else None,
+            metadata=self.metadata_record(data.get("metadata")),
             dtype=cast,
             derived_from=self.provenance(data["derived_from"]),
             preshard_version=self.str(data["preshard_version"], "preshard_version"),
@@ -435,9 +551,9 @@ class _Parser:
                 style = make_style(t["style"], t.get("blocks"), where)
             except PlanError as exc:
                 raise self.bad(str(exc)) from None
-            shape = self.ints(t["shape"], f"{where} shape")
             dtype = self.dtype(t["dtype"], where)
             source_dtype = self.dtype(t["source_dtype"], where)
+            shape = self.shape(t["shape"], where, max(dtype, source_dtype, key=lambda d: d.itemsize))
             if dtype != cast_dtype(source_dtype, cast):
                 raise self.bad(
                     f"{where} is stored as {dtype_name(dtype)}, but {dtype_name(source_dtype)} under the "
@@ -526,7 +642,7 @@ class _Parser:
 
     def source(self, value: Any) -> Source:
         keys = {"kind", "path", "files", "index_name", "index_text", "repo_id", "subfolder", "revision", "commit"}
-        s = self.obj(value, "source", keys)
+        s = self.obj(value, "source", keys, {"loras"})
         if s["kind"] not in SOURCE_KINDS:
             raise self.bad(f"source kind {s['kind']!r} is not one of {', '.join(SOURCE_KINDS)}")
         if not isinstance(s["files"], list):
@@ -536,14 +652,66 @@ class _Parser:
             f = self.obj(f, f"source file {i}", {"name", "size", "xxh3_128", "header"})
             files.append(
                 SourceFile(
-                    self.str(f["name"], f"source file {i} name"),
+                    self.plain_name(f["name"], f"source file {i} name"),
                     self.int(f["size"], f"source file {i} size"),
                     self.hex(f["xxh3_128"], f"source file {i} xxh3_128", _HEX32),
                     self.str(f["header"], f"source file {i} header"),
                 )
             )
         optional = {k: self.str(s[k], f"source {k}", optional=True) for k in keys - {"kind", "path", "files"}}
-        return Source(kind=s["kind"], path=self.str(s["path"], "source path"), files=tuple(files), **optional)
+        if optional["index_name"] is not None:
+            self.plain_name(optional["index_name"], "source index_name")
+        loras = self.loras(s["loras"]) if "loras" in s else ()
+        return Source(
+            kind=s["kind"], path=self.str(s["path"], "source path"), files=tuple(files), loras=loras, **optional
+        )
+
+    def number(self, value: Any, where: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise self.bad(f"{where} must be a finite number")
+        return float(value)
+
+    def loras(self, value: Any) -> tuple[LoraRecord, ...]:
+        if not isinstance(value, list) or not value:
+            raise self.bad("source loras must be a non-empty list")
+        records = []
+        for i, raw in enumerate(value):
+            where = f"source lora {i}"
+            keys = {"name", "path", "size", "xxh3_128", "scale", "loader", "converted", "modules", "repo_id", "commit"}
+            r = self.obj(raw, where, keys)
+            if not isinstance(r["modules"], dict) or not r["modules"] or not isinstance(r["converted"], bool):
+                raise self.bad(f"{where} needs 'modules' (an object) and 'converted' (true or false)")
+            modules = {}
+            for module, info in r["modules"].items():
+                m = self.obj(info, f"{where} module {module}", {"rank", "scaling", "bias"})
+                if not isinstance(m["bias"], bool) or not self.int(m["rank"], f"{where} module {module} rank"):
+                    raise self.bad(f"{where} module {module} needs a rank >= 1 and bias true or false")
+                modules[self.str(module, f"{where} module")] = LoraModule(
+                    m["rank"], self.number(m["scaling"], f"{where} module {module} scaling"), m["bias"]
+                )
+            records.append(
+                LoraRecord(
+                    name=self.str(r["name"], f"{where} name"),
+                    path=self.str(r["path"], f"{where} path"),
+                    size=self.int(r["size"], f"{where} size"),
+                    xxh3_128=self.hex(r["xxh3_128"], f"{where} xxh3_128", _HEX32),
+                    scale=self.number(r["scale"], f"{where} scale"),
+                    loader=self.str(r["loader"], f"{where} loader"),
+                    converted=r["converted"],
+                    modules=modules,
+                    repo_id=self.str(r["repo_id"], f"{where} repo_id", optional=True),
+                    commit=self.str(r["commit"], f"{where} commit", optional=True),
+                )
+            )
+        return tuple(records)
+
+    def metadata_record(self, value: Any) -> FileRecord | None:
+        if value is None:
+            return None
+        record = self.file_record(value, "metadata")
+        if record.name != DCP_METADATA_NAME:
+            raise self.bad(f"metadata names {record.name!r}; the DCP metadata file is {DCP_METADATA_NAME}")
+        return record
 
     def provenance(self, value: Any) -> Provenance | None:
         if value is None:
@@ -602,6 +770,8 @@ __all__ = [
     "MANIFEST_VERSION",
     "ChunkRecord",
     "FileRecord",
+    "LoraModule",
+    "LoraRecord",
     "Manifest",
     "Provenance",
     "Source",
@@ -611,5 +781,7 @@ __all__ = [
     "data_file_name",
     "describe_chunk",
     "file_digest",
+    "manifest_folder",
+    "manifest_from_bytes",
     "read_manifest",
 ]

@@ -17,6 +17,9 @@ from preshard.errors import UsageError
 
 AXES = ("tp", "ring", "ulysses")
 DEFAULT_ORDER = AXES
+# The most ranks a mesh may have: its rank table (one entry per rank, in every manifest) must stay small enough to
+# build and to read in moments; 2**20 is far beyond any job, yet a 2**40-rank table is never attempted.
+MAX_WORLD_SIZE = 1 << 20
 
 
 def _whole(value: object, name: str) -> int:
@@ -52,6 +55,11 @@ class MeshSpec:
         for axis in AXES:
             _whole(getattr(self, axis), f"--{axis}")
         object.__setattr__(self, "order", parse_order(self.order))
+        if self.world_size > MAX_WORLD_SIZE:
+            raise UsageError(
+                f"the mesh tp={self.tp} x ring={self.ring} x ulysses={self.ulysses} has {self.world_size} ranks, more "
+                f"than the {MAX_WORLD_SIZE} preshard supports; use smaller degrees"
+            )
 
     @classmethod
     def build(

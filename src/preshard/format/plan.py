@@ -1,10 +1,12 @@
 """Sharding plans: plain JSON data on disk, typed objects in memory, parsed and validated once.
 
-A plan names Linear modules (dotted paths; `*` matches one path component) with a style, attention
-modules whose head-count attributes are divided by the TP degree and whose attention runs context
-parallel, config keys that must divide by the TP degree, and optionally a CP plan (which inputs to
-split along the sequence and which outputs to gather). The manifest embeds the resolved plan, so the
-runtime needs nothing but the checkpoint to shard the model.
+A plan names Linear modules (dotted paths; `*` matches one path component) with a style (a packed style's
+blocks given, or read from the widths of named sibling Linears, `blocks_from`; norms take the `tp_rms_norm`
+style), attention modules whose head-count attributes are divided by the TP degree and whose attention runs
+context parallel, config keys that must divide by the TP degree, config values the plan is made for, outputs
+of replicated modules that each TP rank slices to its own heads (LTX-2's rotary embeddings), and optionally a
+CP plan (which inputs to split along the sequence and which outputs to gather). The manifest embeds the
+resolved plan, so the runtime needs nothing but the checkpoint to shard the model.
 
 `resolve_plan` applies a plan to a checkpoint's tensor names and shapes: one `TensorLayout` each.
 """
@@ -15,7 +17,7 @@ import functools
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fnmatch import fnmatchcase
 from typing import Any
 
@@ -24,10 +26,12 @@ import torch
 from preshard.errors import PlanError
 from preshard.format.dtypes import cast_dtype
 from preshard.format.layout import TensorLayout
-from preshard.format.styles import REPLICATE, Style, make_style
+from preshard.format.styles import REPLICATE, STYLES, Style, make_style
 
 PLAN_FORMAT = 1
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_MODULE_PATH = re.compile(r"^[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*$")
+_UNPACKED = {name for name, cls in STYLES.items() if not cls.packed}
 
 
 def matches(pattern: str, module: str) -> bool:
@@ -55,8 +59,44 @@ def _compiled(pattern: str) -> re.Pattern | None:
 
 @dataclass(frozen=True)
 class LinearRule:
+    """A style for the Linear modules `match` names. A packed style takes its block sizes from `style.blocks`, or,
+    with `blocks_from`, from the checkpoint: block i is as wide as the output of the Linear at `blocks_from[i]`,
+    a path relative to the matched module's parent (`["attn.to_q", "proj_mlp"]` for a `proj_out` over
+    `cat([attention, mlp])`), so one plan fits every width of a family. `optional`: the module exists in some
+    checkpoints of the class only (Wan I2V's image cross-attention), so matching nothing is not an error."""
+
     match: str
     style: Style
+    blocks_from: tuple[str, ...] = ()
+    optional: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        if self.blocks_from:
+            data = {"match": self.match, "style": self.style.name, "blocks_from": list(self.blocks_from)}
+        else:
+            data = {"match": self.match, **self.style.to_dict()}
+        return data | ({"optional": True} if self.optional else {})
+
+    def style_for(self, module: str, tensors: Mapping[str, tuple[tuple[int, ...], Any]], origin: str) -> Style:
+        """The style of `module`'s tensors: `style`, with `blocks_from` resolved against the checkpoint's shapes.
+
+        Raises:
+            PlanError: a `blocks_from` path naming no Linear weight of the checkpoint.
+        """
+        if not self.blocks_from:
+            return self.style
+        parent = module.rpartition(".")[0]
+        sizes = []
+        for path in self.blocks_from:
+            weight = f"{parent}.{path}.weight" if parent else f"{path}.weight"
+            shape = tensors.get(weight, ((),))[0]
+            if len(shape) != 2:
+                raise PlanError(
+                    f"{origin}: rule {self.match!r} takes a block size from {weight}, which this checkpoint lacks or "
+                    "is not a Linear weight; fix blocks_from"
+                )
+            sizes.append(int(shape[0]))
+        return type(self.style)(blocks=tuple(sizes))
 
 
 @dataclass(frozen=True)
@@ -77,7 +117,10 @@ class AttentionRule:
             if not _is_int(value):
                 raise PlanError(f"{name} has no integer attribute {attr!r} to divide by tp={tp}")
             if value % tp:
-                raise PlanError(f"--tp {tp} does not divide {name}.{attr} = {value}; pick a TP degree dividing it")
+                works = ", ".join(str(d) for d in range(1, value + 1) if value % d == 0)
+                raise PlanError(
+                    f"--tp {tp} does not divide {name}.{attr} = {value}; TP degrees that divide it: {works}"
+                )
             values[attr] = value // tp
         return values
 
@@ -122,6 +165,10 @@ class Plan:
     description: str = ""
     cp_plan: dict[str, CPEntry] | None = None
     origin: str = "plan"  # where it came from, for messages ("built-in plan minimax-h3", a file, a model class)
+    # Replicated modules whose outputs each TP rank slices to its 1/tp part along a dim (per-head rotary tables).
+    tp_split_outputs: dict[str, dict[int, SeqDim]] = field(default_factory=dict)
+    # Config values the plan is made for (LTX-2's rope_type): another value is refused at conversion.
+    config_requires: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -129,7 +176,7 @@ class Plan:
             "name": self.name,
             "description": self.description,
             "model_classes": list(self.model_classes),
-            "linear": [{"match": r.match, **r.style.to_dict()} for r in self.linear],
+            "linear": [rule.to_dict() for rule in self.linear],
             "attention": [
                 {"match": a.match, "divide": list(a.divide), "context_parallel": a.context_parallel}
                 for a in self.attention
@@ -138,6 +185,13 @@ class Plan:
         }
         if self.cp_plan is not None:
             data["cp_plan"] = {k: v.to_dict() for k, v in self.cp_plan.items()}
+        if self.tp_split_outputs:
+            data["tp_split_outputs"] = {
+                module: {str(i): spec.to_dict() for i, spec in outputs.items()}
+                for module, outputs in self.tp_split_outputs.items()
+            }
+        if self.config_requires:
+            data["config_requires"] = dict(self.config_requires)
         return data
 
     @classmethod
@@ -151,6 +205,26 @@ class Plan:
 
     def context_parallel_attention(self) -> tuple[AttentionRule, ...]:
         return tuple(a for a in self.attention if a.context_parallel)
+
+    def norm_rules(self) -> tuple[LinearRule, ...]:
+        """The rules that shard norms (`tp_rms_norm`): they name modules, which may hold no tensor at all."""
+        return tuple(r for r in self.linear if r.style.module_kind == "norm")
+
+    def check_config(self, config: Mapping[str, Any] | None) -> None:
+        """The checkpoint's config has every value in `config_requires` (not checked without a config).
+
+        Raises:
+            PlanError: a value differs, naming the key, both values and the fix.
+        """
+        if not config:
+            return
+        for key, want in self.config_requires.items():
+            have = config.get(key)
+            if have != want:
+                raise PlanError(
+                    f"{self.origin} is made for config {key} = {want!r}, but the checkpoint's config.json has "
+                    f"{have!r}; write a plan file for this variant and pass --plan FILE"
+                )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -167,7 +241,10 @@ def _parse_plan(data: Any, origin: str) -> Plan:
 
     if not isinstance(data, dict):
         raise bad("must be a JSON object with 'name' and 'linear'")
-    known = {"format", "name", "description", "model_classes", "linear", "attention", "config_divisible", "cp_plan"}
+    known = {
+        "format", "name", "description", "model_classes", "linear", "attention", "config_divisible", "cp_plan",
+        "tp_split_outputs", "config_requires",
+    }  # fmt: skip
     unknown = sorted(set(data) - known)
     if unknown:
         raise bad(f"unknown keys {unknown}; a plan has {sorted(known)}")
@@ -189,11 +266,14 @@ def _parse_plan(data: Any, origin: str) -> Plan:
     for i, rule in enumerate(raw_linear):
         if not isinstance(rule, dict) or not isinstance(rule.get("match"), str) or not rule["match"]:
             raise bad(f"linear rule {i} needs a non-empty string 'match'")
-        extra = sorted(set(rule) - {"match", "style", "blocks"})
+        extra = sorted(set(rule) - {"match", "style", "blocks", "blocks_from", "optional"})
         if extra:
             raise bad(f"linear rule {rule['match']!r} has unknown keys {extra}")
-        style = make_style(rule.get("style"), rule.get("blocks"), f"{origin}: linear rule {rule['match']!r}")
-        linear.append(LinearRule(rule["match"], style))
+        optional = rule.get("optional", False)
+        if not isinstance(optional, bool):
+            raise bad(f"linear rule {rule['match']!r}: 'optional' must be true or false")
+        parsed = _parse_linear_rule(rule, f"{origin}: linear rule {rule['match']!r}")
+        linear.append(replace(parsed, optional=optional) if optional else parsed)
     raw_attention = data.get("attention", [])
     if not isinstance(raw_attention, list):
         raise bad("'attention' must be a list of {match, divide, context_parallel} rules")
@@ -215,6 +295,12 @@ def _parse_plan(data: Any, origin: str) -> Plan:
     if not isinstance(config_divisible, list) or not all(isinstance(k, str) for k in config_divisible):
         raise bad("'config_divisible' must be a list of config keys")
     cp_plan = _parse_cp_plan(data["cp_plan"], bad) if data.get("cp_plan") is not None else None
+    tp_split_outputs = _parse_tp_split_outputs(data.get("tp_split_outputs", {}), bad)
+    config_requires = data.get("config_requires", {})
+    if not isinstance(config_requires, dict) or not all(
+        isinstance(v, (str, int, float, bool)) or v is None for v in config_requires.values()
+    ):
+        raise bad("'config_requires' must map config keys to JSON scalars (strings, numbers, true/false, null)")
     return Plan(
         name=name,
         linear=tuple(linear),
@@ -224,17 +310,50 @@ def _parse_plan(data: Any, origin: str) -> Plan:
         description=description,
         cp_plan=cp_plan,
         origin=origin,
+        tp_split_outputs=tp_split_outputs,
+        config_requires=dict(config_requires),
     )
 
 
-def _parse_seq_dim(value: Any, where: str, bad) -> SeqDim:
+def _parse_linear_rule(rule: dict[str, Any], where: str) -> LinearRule:
+    if "blocks_from" not in rule:
+        return LinearRule(rule["match"], make_style(rule.get("style"), rule.get("blocks"), where))
+    paths = rule["blocks_from"]
+    if not (isinstance(paths, list) and paths and all(isinstance(p, str) and _MODULE_PATH.match(p) for p in paths)):
+        raise PlanError(f"{where}: 'blocks_from' must be a list of module paths such as \"attn.to_q\"")
+    if "blocks" in rule:
+        raise PlanError(f"{where}: give 'blocks' or 'blocks_from', not both")
+    name = rule.get("style")
+    style = make_style(name, None if isinstance(name, str) and name in _UNPACKED else 1, where)
+    if not style.packed:
+        raise PlanError(f"{where}: 'blocks_from' only applies to packed styles, not to {style.name}")
+    return LinearRule(rule["match"], type(style)(), tuple(paths))
+
+
+def _parse_tp_split_outputs(raw: Any, bad) -> dict[str, dict[int, SeqDim]]:
+    if not isinstance(raw, dict):
+        raise bad("'tp_split_outputs' must map module names to {output index: {dim, expected_dims}}")
+    result = {}
+    for module, outputs in raw.items():
+        if not isinstance(outputs, dict) or not outputs:
+            raise bad(f"tp_split_outputs entry {module!r} must map output indices to {{dim, expected_dims}}")
+        specs = {}
+        for index, spec in outputs.items():
+            if not (isinstance(index, str) and index.isdigit()):
+                raise bad(f"tp_split_outputs entry {module!r}: key {index!r} must be an output index (0, 1, ...)")
+            specs[int(index)] = _parse_seq_dim(spec, f"{module} output {index}", bad, "tp_split_outputs")
+        result[module] = specs
+    return result
+
+
+def _parse_seq_dim(value: Any, where: str, bad, section: str = "cp_plan") -> SeqDim:
     if not isinstance(value, dict) or not _is_int(value.get("dim")) or set(value) - {"dim", "expected_dims"}:
-        raise bad(f"cp_plan {where} must be {{'dim': int, 'expected_dims': int or null}}")
+        raise bad(f"{section} {where} must be {{'dim': int, 'expected_dims': int or null}}")
     expected = value.get("expected_dims")
     if expected is not None and (not _is_int(expected) or expected < 1):
-        raise bad(f"cp_plan {where}: 'expected_dims' must be a whole number >= 1 or null")
+        raise bad(f"{section} {where}: 'expected_dims' must be a whole number >= 1 or null")
     if expected is not None and not -expected <= value["dim"] < expected:
-        raise bad(f"cp_plan {where}: dim {value['dim']} is not a dimension of a {expected}-dim tensor")
+        raise bad(f"{section} {where}: dim {value['dim']} is not a dimension of a {expected}-dim tensor")
     return SeqDim(value["dim"], expected)
 
 
@@ -289,9 +408,10 @@ def resolve_plan(
     """Every tensor's layout under `plan` at TP degree `tp` (tensors the plan does not name are replicated).
 
     Raises:
-        PlanError: overlapping rules, a rule that matches no tensor, an attention rule that matches no module,
-            a rule on a non-Linear tensor, or a `tp` that does not divide a split dimension (the message lists
-            the TP degrees that work).
+        PlanError: overlapping rules, a rule that matches no tensor (unless optional, or a norm rule: a norm
+            without a weight holds none), an attention rule that matches no module, a Linear rule on a
+            non-Linear tensor, a config value the plan is not made for, or a `tp` that does not divide a split
+            dimension (the message lists the TP degrees that work).
     """
     resolved: dict[str, TensorLayout] = {}
     hits = {rule.match: 0 for rule in plan.linear}
@@ -303,14 +423,15 @@ def resolve_plan(
                 f"{plan.origin}: module {module} matches both {rules[0].match!r} and {rules[1].match!r}; "
                 "make the plan's rules disjoint"
             )
-        style = rules[0].style if rules else REPLICATE
+        style = rules[0].style_for(module, tensors, plan.origin) if rules else REPLICATE
         if rules:
             hits[rules[0].match] += 1
         try:
             resolved[name] = TensorLayout.make(name, style, tuple(shape), cast_dtype(dtype, cast), dtype)
         except PlanError as exc:
             raise PlanError(f"{plan.origin}: {exc}") from None
-    unmatched = [pattern for pattern, count in hits.items() if count == 0]
+    may_miss = {rule.match for rule in plan.linear if rule.optional or rule.style.module_kind == "norm"}
+    unmatched = [pattern for pattern, count in hits.items() if count == 0 and pattern not in may_miss]
     if unmatched:
         raise PlanError(
             f"{plan.origin}: rule {unmatched[0]!r} matches no tensor of this checkpoint"
@@ -323,18 +444,19 @@ def resolve_plan(
             raise PlanError(
                 f"{plan.origin}: attention rule {rule.match!r} matches no module of this checkpoint; fix the pattern"
             )
+    plan.check_config(config)
     if check_divisible:
         check_tp(plan, resolved, tp, config or {})
     return resolved
 
 
 def _split_sizes(plan: Plan, resolved: Mapping[str, TensorLayout], config: Mapping[str, Any]):
-    for layout in resolved.values():
-        yield from layout.split_sizes()
-    for key in plan.config_divisible:
+    for key in plan.config_divisible:  # first, so that a TP degree the heads do not allow is named as such
         value = config.get(key)
         if _is_int(value):
             yield f"config {key}", value
+    for layout in resolved.values():
+        yield from layout.split_sizes()
 
 
 def valid_tp_degrees(plan: Plan, resolved: Mapping[str, TensorLayout], config: Mapping[str, Any]) -> list[int]:

@@ -117,6 +117,8 @@ def band_plan(
     no chunk needs: those bands feed fewer chunks, or none.
     """
     chunks = list(chunks)
+    if layout.shape and not math.prod(layout.shape):  # no elements: records of framing alone, whatever the row count
+        return [Band(0, 0, tuple(chunks))] if chunks else []
     empty = [c for c in chunks if _extent(layout, c)[0] == _extent(layout, c)[1]]
     bands = [Band(0, 0, tuple(empty))] if empty else []  # no rows: the record is framing alone
     chunks = [c for c in chunks if c not in empty]
@@ -167,7 +169,7 @@ def cut_band(layout: TensorLayout, band: Band, data: torch.Tensor, *, small: boo
     end = band.start + band.count
     for c in band.chunks:
         lo, hi = _extent(layout, c)
-        if lo == hi:
+        if lo == hi or not c.data_length:
             pieces.append(Piece(c, data[:0], True, True))
             continue
         first, last = band.start <= lo, end >= hi

@@ -1,4 +1,4 @@
-"""Sharding styles: one object per way of splitting an `nn.Linear` across TP ranks.
+"""Sharding styles: one object per way of splitting a module's weights across TP ranks.
 
 A style owns every fact about itself, so that adding one touches this module only:
 - which dimension of the weight and of the bias it splits (`shard_dim`);
@@ -11,6 +11,11 @@ For `W` of shape `[out, in]`, T ranks, rank r: colwise keeps rows `[r*out/T, (r+
 columns and all-reduces `x_r W_r^T`, adding the bias once after the reduce; packed styles do the same
 within each block of a fused dimension (SwiGLU's `[up; gate]`, Flux's single-stream `cat([attn, mlp])`
 input); `replicated_input_rowwise` slices a replicated input locally before the row-parallel matmul.
+
+One style applies to a norm rather than a Linear: `tp_rms_norm`, an RMSNorm over the output features of a
+column-split projection (Wan's and LTX-2's `qk_norm="rms_norm_across_heads"`). Its weight is split like those
+features; each rank sums the squares of its features in float32, all-reduces the sum over the TP group and
+divides by the full width, so every rank normalises by the RMS of the whole row, exactly as the unsharded norm.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ class Style:
     bias_dim: ClassVar[int | None] = None
     packed: ClassVar[bool] = False
     reduces_output: ClassVar[bool] = False
+    # What the style applies to: "linear" (weight [out, in], bias [out]) or "norm" (weight and bias [features]).
+    module_kind: ClassVar[str] = "linear"
 
     # A packed style's blocks: a count of equal blocks or the block sizes, as the plan gives them.
     blocks: int | tuple[int, ...] | None = None
@@ -57,8 +64,12 @@ class Style:
             raise PlanError(f"{where}: packed blocks {list(sizes)} add up to {sum(sizes)}, not {size}")
         return sizes
 
+    def weight_ndim(self) -> int:
+        """How many dims the module's weight has: 2 for a Linear `[out, in]`, 1 for a norm `[features]`."""
+        return 1 if self.module_kind == "norm" else 2
+
     def parallel_forward(self) -> Callable[..., torch.Tensor] | None:
-        """`forward(linear, x, tp_rank, tp, all_reduce)` for a rewired module; None leaves it unchanged."""
+        """`forward(module, x, tp_rank, tp, all_reduce)` for a rewired module; None leaves it unchanged."""
         return None
 
     def to_dict(self) -> dict[str, Any]:
@@ -127,8 +138,79 @@ class ReplicatedInputRowwise(Rowwise):
         return forward
 
 
+def _computation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for 16-bit floats (as torch's own rms_norm upcasts), else the dtype itself."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _tp_rms_norm_forward(norm, x: torch.Tensor, tp_rank: int, tp: int, all_reduce) -> torch.Tensor:
+    """RMSNorm of rows split over the TP group: this rank holds `x`'s local features and the matching weight slice.
+
+    Casts as the module it replaces: `torch.nn.RMSNorm` computes in the upcast dtype, multiplies by the weight
+    there and casts back to the input dtype; diffusers' RMSNorm casts to a 16-bit weight's dtype before the
+    weight, and back to the input dtype only without a weight.
+    """
+    up = x.to(_computation_dtype(x.dtype))
+    square_sum = all_reduce(up.pow(2).sum(-1, keepdim=True))
+    eps = norm.eps if norm.eps is not None else torch.finfo(up.dtype).eps
+    inverse_rms = torch.rsqrt(square_sum / norm.preshard_full_width + eps)
+    weight = norm.weight
+    if isinstance(norm, torch.nn.RMSNorm):
+        out = up * inverse_rms
+        return (out if weight is None else out * weight).to(x.dtype)
+    out = x * inverse_rms
+    if weight is None:
+        return out.to(x.dtype)
+    if weight.dtype in (torch.float16, torch.bfloat16):
+        out = out.to(weight.dtype)
+    out = out * weight
+    bias = getattr(norm, "bias", None)
+    return out if bias is None else out + bias
+
+
+@dataclass(frozen=True)
+class TPRMSNorm(Style):
+    """An RMSNorm over the features of a column-split projection: weight (and bias) split like those features.
+
+    The rank's sum of squares is all-reduced in float32 over the TP group and divided by the full width, then
+    the rank's weight slice applies. Exact at any TP degree that divides the heads; a norm without a weight
+    (`elementwise_affine=False`) has nothing to split but still needs the all-reduce.
+    """
+
+    name: ClassVar[str] = "tp_rms_norm"
+    weight_dim: ClassVar[int | None] = 0
+    bias_dim: ClassVar[int | None] = 0
+    module_kind: ClassVar[str] = "norm"
+
+    def parallel_forward(self) -> Callable[..., torch.Tensor]:
+        return _tp_rms_norm_forward
+
+    @staticmethod
+    def width(module: Any) -> int | None:
+        """The features a supported RMSNorm normalises over (one trailing dim), else None."""
+        shape = getattr(module, "normalized_shape", None)
+        if shape is None:
+            shape = getattr(module, "dim", None)
+        if isinstance(shape, int) and not isinstance(shape, bool):
+            return shape
+        if isinstance(shape, (tuple, list, torch.Size)) and len(shape) == 1 and isinstance(shape[0], int):
+            return int(shape[0])
+        return None
+
+    @staticmethod
+    def unsupported(module: Any) -> str | None:
+        """Why `module` cannot take this style (None: it can): torch's and diffusers' RMSNorm over one dim."""
+        cls = type(module)  # exactly these two: a subclass may compute something else in its forward
+        diffusers_rms = cls.__name__ == "RMSNorm" and cls.__module__ == "diffusers.models.normalization"
+        if not (cls is torch.nn.RMSNorm or diffusers_rms):
+            return f"is a {cls.__name__}, and tp_rms_norm knows torch.nn.RMSNorm and diffusers' RMSNorm only"
+        if TPRMSNorm.width(module) is None:
+            return "normalises over more than one trailing dim, and tp_rms_norm splits one"
+        return None
+
+
 STYLES: dict[str, type[Style]] = {
-    cls.name: cls for cls in (Style, Colwise, Rowwise, PackedColwise, PackedRowwise, ReplicatedInputRowwise)
+    cls.name: cls for cls in (Style, Colwise, Rowwise, PackedColwise, PackedRowwise, ReplicatedInputRowwise, TPRMSNorm)
 }
 REPLICATE = Style()
 

@@ -6,7 +6,8 @@ packed styles take block sizes from attributes the model sets on each Linear in 
 checkpoint's config (no memory, no weights) to read them, and every rule is checked against the real
 module tree: a rule on something that is not an `nn.Linear`, a style preshard does not know, or a
 norm that normalises across all heads of a column-sharded projection (TP would give each rank a part of
-what it normalises) is an error naming the module, at conversion time rather than at load.
+what it normalises; the message says to write a plan file giving it the `tp_rms_norm` style) is an error
+naming the module, at conversion time rather than at load.
 
 Attention processors of these classes reshape by `head_dim` ("TP-agnostic"), so no head-count attribute
 is divided; every attention module runs context parallel.
@@ -14,7 +15,6 @@ is divided; every attention module runs context parallel.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
@@ -23,8 +23,13 @@ from torch import nn
 from preshard.errors import PlanError
 from preshard.format.plan import AttentionRule, CPEntry, LinearRule, Plan, SeqDim, matches
 from preshard.format.styles import Colwise, PackedColwise, PackedRowwise, Rowwise, Style
-
-_NORM_TYPES = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)
+from preshard.plans.model_check import (
+    check_model_structure,
+    check_norms_across_heads,
+    first_attention,
+    folded,
+    is_attention,
+)
 
 
 def import_model_class(class_name: str) -> type:
@@ -65,8 +70,13 @@ def plan_from_model_class(class_name: str, config: dict[str, Any]) -> Plan:
     """The plan `diffusers.<class_name>` declares, resolved on a meta-device instance built from `config`."""
     cls = import_model_class(class_name)
     if not getattr(cls, "_tp_plan", None):
+        try:
+            blocking = first_attention(build_on_meta(cls, config)) if config else None
+        except PlanError:  # a config the class rejects: the message below holds without the module
+            blocking = None
+        what = f": nothing says how to split its attention across TP ranks (first: {blocking})" if blocking else ""
         raise PlanError(
-            f"model class {class_name} declares no _tp_plan and preshard has no built-in plan for it; "
+            f"model class {class_name} declares no _tp_plan and preshard has no built-in plan for it{what}; "
             "write a plan file and pass --plan plan.json (see the README's 'Plan files')"
         )
     return plan_from_model(build_on_meta(cls, config), config)
@@ -99,7 +109,8 @@ def plan_from_model(model: nn.Module, config: dict[str, Any] | None = None) -> P
         else:  # per-instance block sizes differ: one exact rule each
             linear += [LinearRule(name, style) for name, style in styles.items()]
     attention = _attention_rules(modules)
-    _check_norms(modules, sharded, origin)
+    attention_modules = [name for name, m in modules.items() if name and is_attention(m)]
+    check_norms_across_heads(origin, modules, sharded, attention_modules)
     config = config or {}
     return Plan(
         name=f"{cls.__name__}._tp_plan",
@@ -136,52 +147,15 @@ def _style(declared: Any, module: nn.Linear, where: str) -> Style:
     return (PackedColwise if column else PackedRowwise)(blocks=sizes)
 
 
-def _is_attention(module: nn.Module) -> bool:
-    return hasattr(module, "processor") and callable(getattr(module, "set_processor", None))
-
-
 def _attention_rules(modules: dict[str, nn.Module]) -> list[AttentionRule]:
     """One rule per attention module path with numbered blocks folded into `*` (only where the fold is exact)."""
-    names = [name for name, m in modules.items() if name and _is_attention(m)]
+    names = [name for name, m in modules.items() if name and is_attention(m)]
     patterns: dict[str, None] = {}
     for name in names:
-        folded = re.sub(r"(?<=\.)\d+(?=\.|$)", "*", name)
-        exact = all(_is_attention(modules[m]) for m in modules if m and matches(folded, m))
-        patterns[folded if exact else name] = None
+        pattern = folded(name)
+        exact = all(is_attention(modules[m]) for m in modules if m and matches(pattern, m))
+        patterns[pattern if exact else name] = None
     return [AttentionRule(pattern, (), True) for pattern in patterns]
-
-
-def _norm_size(module: nn.Module) -> int | None:
-    weight = getattr(module, "weight", None)
-    if isinstance(weight, torch.Tensor) and weight.dim() == 1:
-        return weight.shape[0]
-    shape = getattr(module, "normalized_shape", None) or getattr(module, "dim", None)
-    if isinstance(shape, int):
-        return shape
-    if isinstance(shape, (tuple, list, torch.Size)) and len(shape) == 1:
-        return int(shape[0])
-    return None
-
-
-def _check_norms(modules: dict[str, nn.Module], sharded: dict[str, Style], origin: str) -> None:
-    """A norm inside an attention module that spans a whole column-sharded projection cannot be split."""
-    for name, module in modules.items():
-        if not (name and _is_attention(module)):
-            continue
-        split = {
-            modules[n].weight.shape[0]
-            for n, s in sharded.items()
-            if n.startswith(name + ".") and isinstance(s, Colwise) and n.count(".") == name.count(".") + 1
-        }
-        head_dim = getattr(module, "head_dim", None)
-        for child_name, child in module.named_children():
-            size = _norm_size(child) if isinstance(child, _NORM_TYPES) or "norm" in child_name else None
-            if size in split and size != head_dim:
-                raise PlanError(
-                    f"{origin}: {name}.{child_name} normalises across all {size} features of a column-sharded "
-                    "projection (every head at once), which TP would split across ranks; this model cannot be "
-                    "sharded as its _tp_plan declares"
-                )
 
 
 def cp_plan_from_diffusers(plan: dict[Any, Any]) -> dict[str, CPEntry]:
@@ -236,22 +210,26 @@ def check_cp_plan(plan: Plan, config: dict[str, Any] | None, cp: int) -> None:
 
 
 def check_plan_against_model(plan: Plan, config: dict[str, Any] | None, tp: int, cp: int = 1) -> None:
-    """At conversion time, the attention attributes the plan divides exist on the model and divide by `tp`, and a
-    CP mesh (`cp` = ring x ulysses > 1) has a CP plan (`check_cp_plan`).
+    """At conversion time, the plan against the model's modules: the attention attributes it divides exist and
+    divide by `tp`; every rule fits what it names; in attention whose heads it divides, no Linear is left whole
+    and every norm across the heads has `tp_rms_norm` (`model_check.check_model_structure`); and a CP mesh
+    (`cp` = ring x ulysses > 1) has a CP plan (`check_cp_plan`).
 
     Needs the model class (from diffusers, named by config.json's `_class_name`); without it the same checks
-    run at load time instead.
+    run at load time instead (the structure checks only as far as the forward shows them).
 
     Raises:
-        PlanError: an attention attribute that is missing, not an integer, or not divisible by `tp`; a CP mesh
-            with no CP plan anywhere.
+        PlanError: one line naming the module and why (an attribute missing, not an integer or not divisible
+            by `tp`, with the TP degrees that work; a rule that does not fit; a module the plan leaves whole
+            that must be split); a CP mesh with no CP plan anywhere.
     """
     check_cp_plan(plan, config, cp)
     rules = [rule for rule in plan.attention if rule.divide]
-    cls = _declared_class(config) if rules else None
+    cls = _declared_class(config) if rules or plan.linear else None
     if cls is None:
         return
     model = build_on_meta(cls, config or {})
+    check_model_structure(plan, model, tp)
     for rule in rules:
         for name, module in model.named_modules():
             if name and matches(rule.match, name):

@@ -27,12 +27,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from preshard.errors import DeviceError
+from preshard.errors import CollectiveRuleViolation, DeviceError
 
 __all__ = [
     "CollectiveCall",
     "CollectiveRuleViolation",
     "NeuronRuleChecker",
+    "all_gather_bytes",
     "all_gather_cat",
     "all_reduce_sum",
     "all_to_all_equal",
@@ -46,10 +47,6 @@ __all__ = [
 _MAX_SHAPE_DIMS = 15
 # torch >= 2.10 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
 _ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-class CollectiveRuleViolation(RuntimeError):
-    """A collective that Neuron/XLA would reject (or hang on), caught before it is issued."""
 
 
 @dataclass(frozen=True)
@@ -145,6 +142,30 @@ def _gather_dim0(moved: torch.Tensor, group: ProcessGroup | None, ranks: list[in
         return _xla_model().all_gather(moved, dim=0, groups=groups, pin_layout=False)
     out = moved.new_empty((len(ranks) * moved.shape[0], *moved.shape[1:]))
     _ALL_GATHER_SINGLE(out, moved, group=group)
+    return out
+
+
+def all_gather_bytes(data: bytes, size: int, device: torch.device, group: ProcessGroup | None = None) -> list[bytes]:
+    """Every group rank's `data` (at most `size` bytes), in group-rank order.
+
+    One fixed-size all-gather of a uint8 tensor on `device` (NCCL and XLA need device tensors, Neuron and XLA equal
+    sizes), so it runs wherever the model's collectives run.
+    """
+    if len(data) > size:
+        raise ValueError(f"all_gather_bytes: {len(data)} bytes do not fit in {size}")
+    ranks = group_ranks(group)
+    if len(ranks) == 1:
+        return [bytes(data)]
+    buffer = torch.zeros(8 + size, dtype=torch.uint8)
+    buffer[:8] = torch.frombuffer(bytearray(len(data).to_bytes(8, "little")), dtype=torch.uint8)
+    if data:
+        buffer[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    gathered = all_gather_cat(buffer.to(device).unsqueeze(0), group, 0).cpu()
+    out = []
+    for row in gathered:
+        raw = row.numpy().tobytes()
+        length = min(int.from_bytes(raw[:8], "little"), size)
+        out.append(raw[8 : 8 + length])
     return out
 
 

@@ -14,6 +14,7 @@ import contextlib
 import inspect
 import json
 import os
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,11 +22,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from preshard.errors import CorruptCheckpointError, MismatchError, PlanError, UsageError
+from preshard.errors import CheckpointFileMissingError, CorruptCheckpointError, MismatchError, PlanError, UsageError
 from preshard.format.fileio import pread_bytes
+from preshard.format.folder import CheckpointFolder
 from preshard.format.jsonio import parse_json_text
 from preshard.format.manifest import Manifest
 from preshard.format.plan import matches
+from preshard.format.styles import TPRMSNorm
+from preshard.units import plural
 
 
 @contextlib.contextmanager
@@ -45,22 +49,28 @@ def parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original
 
 
-def read_checkpoint_config(checkpoint: Path, manifest: Manifest) -> dict[str, Any] | None:
-    """The checkpoint's config.json, checked against the size and hash the manifest records.
+def read_checkpoint_config(checkpoint: Path | CheckpointFolder, manifest: Manifest) -> dict[str, Any] | None:
+    """The checkpoint's config.json (read inside the folder, a regular file only), checked against the size and
+    hash the manifest records.
 
     Raises:
-        CorruptCheckpointError: config.json is missing, or differs from the one converted with.
+        CorruptCheckpointError: config.json is missing, out of the folder, not a regular file, or differs from the
+            one converted with.
     """
     record = manifest.config
     if record is None:
         return None
-    path = checkpoint / record.name
+    folder = checkpoint if isinstance(checkpoint, CheckpointFolder) else CheckpointFolder(checkpoint)
+    path = folder.path / record.name
     try:
-        with open(path, "rb") as f:
-            extra = os.fstat(f.fileno()).st_size != record.size
-            raw = b"" if extra else pread_bytes(f.fileno(), 0, record.size, str(path))
+        fd = folder.open(record.name)
     except FileNotFoundError:
-        raise CorruptCheckpointError(f"{path} is missing; copy the whole checkpoint folder again") from None
+        raise CheckpointFileMissingError(f"{path} is missing; copy the whole checkpoint folder again") from None
+    try:
+        extra = os.fstat(fd).st_size != record.size
+        raw = b"" if extra else pread_bytes(fd, 0, record.size, str(path))
+    finally:
+        os.close(fd)
     if extra or not record.matches(raw):
         raise CorruptCheckpointError(
             f"{path} differs from the config the checkpoint was converted with (its xxh3_128 does not match the "
@@ -146,15 +156,26 @@ def check_config(model: nn.Module, config: dict[str, Any] | None) -> None:
         )
 
 
+def ignored_tensors(model: nn.Module, manifest: Manifest) -> set[str]:
+    """Checkpoint tensors the model has no place for and its class says to skip, as diffusers' `from_pretrained`
+    does (`_keys_to_ignore_on_load_unexpected`: Wan I2V checkpoints carry an all-zero `norm_added_q` per block)."""
+    patterns = getattr(type(model), "_keys_to_ignore_on_load_unexpected", None) or []
+    expected = {**dict(model.named_parameters()), **persistent_buffers(model)}
+    return {name for name in manifest.tensors if name not in expected and any(re.search(p, name) for p in patterns)}
+
+
 def check_against_manifest(model: nn.Module, manifest: Manifest) -> None:
-    """Every tensor the model expects is in the checkpoint and vice versa, with the same global shape."""
+    """Every tensor the model expects is in the checkpoint and vice versa (but for `ignored_tensors`), with the
+    same global shape."""
     expected = {**dict(model.named_parameters()), **persistent_buffers(model)}
     missing = sorted(set(expected) - set(manifest.tensors))
-    unexpected = sorted(set(manifest.tensors) - set(expected))
+    unexpected = sorted(set(manifest.tensors) - set(expected) - ignored_tensors(model, manifest))
     if missing:
-        raise MismatchError(f"the checkpoint lacks {len(missing)} tensors the model has: {_names(missing)}")
+        raise MismatchError(f"the checkpoint lacks {plural(len(missing), 'tensor')} the model has: {_names(missing)}")
     if unexpected:
-        raise MismatchError(f"the checkpoint has {len(unexpected)} tensors the model lacks: {_names(unexpected)}")
+        raise MismatchError(
+            f"the checkpoint has {plural(len(unexpected), 'tensor')} the model lacks: {_names(unexpected)}"
+        )
     layouts = {name: record.layout for name, record in manifest.tensors.items()}
     wrong_shape = [
         f"{n} (model {list(t.shape)}, checkpoint {list(layouts[n].shape)})"
@@ -162,14 +183,14 @@ def check_against_manifest(model: nn.Module, manifest: Manifest) -> None:
         if tuple(t.shape) != layouts[n].shape
     ]
     if wrong_shape:
-        raise MismatchError(f"shapes disagree for {len(wrong_shape)} tensors: {_names(wrong_shape)}")
+        raise MismatchError(f"shapes disagree for {plural(len(wrong_shape), 'tensor')}: {_names(wrong_shape)}")
     wrong_kind = [
         f"{n} (model {str(t.dtype).removeprefix('torch.')}, checkpoint {str(layouts[n].dtype).removeprefix('torch.')})"
         for n, t in expected.items()
         if t.dtype.is_floating_point != layouts[n].dtype.is_floating_point
     ]
     if wrong_kind:
-        raise MismatchError(f"dtypes disagree for {len(wrong_kind)} tensors: {_names(wrong_kind)}")
+        raise MismatchError(f"dtypes disagree for {plural(len(wrong_kind), 'tensor')}: {_names(wrong_kind)}")
 
 
 def _names(names: list[str], limit: int = 5) -> str:
@@ -186,24 +207,29 @@ def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     return result
 
 
-def localise(model: nn.Module, manifest: Manifest) -> dict[str, nn.Linear]:
-    """Planned Linear layers take their local shapes (still on meta) before anything is allocated.
+def localise(model: nn.Module, manifest: Manifest) -> dict[str, nn.Module]:
+    """Planned Linear layers and norms take their local shapes (still on meta) before anything is allocated.
 
     Returns:
-        The sharded Linear modules by name.
+        The sharded modules by name (Linear layers, and norms with a weight).
 
     Raises:
-        PlanError: the plan splits a tensor of a module that is not an nn.Linear.
+        PlanError: the plan splits a tensor of a module that is not an nn.Linear (or, for a norm style, a
+            supported RMSNorm).
     """
     tp = manifest.tp
-    modules: dict[str, nn.Linear] = {}
+    modules: dict[str, nn.Module] = {}
     for name, record in manifest.tensors.items():
         layout = record.layout
         if layout.style.name == "replicate":
             continue
         module_name, _, leaf = name.rpartition(".")
         module = model.get_submodule(module_name)
-        if not isinstance(module, nn.Linear):
+        if layout.style.module_kind == "norm":
+            why = TPRMSNorm.unsupported(module)
+            if why is not None:
+                raise PlanError(f"the plan gives {module_name} the {layout.style.name} style, but it {why}")
+        elif not isinstance(module, nn.Linear):
             raise PlanError(f"the plan shards {module_name}, which is a {type(module).__name__}, not nn.Linear")
         modules[module_name] = module
         if layout.shard_dim is not None:
@@ -211,7 +237,8 @@ def localise(model: nn.Module, manifest: Manifest) -> dict[str, nn.Linear]:
             local = torch.empty(layout.local_shape(tp), dtype=param.dtype, device="meta")
             module._parameters[leaf] = nn.Parameter(local, requires_grad=False)
     for module in modules.values():
-        module.out_features, module.in_features = module.weight.shape
+        if isinstance(module, nn.Linear):
+            module.out_features, module.in_features = module.weight.shape
     return modules
 
 

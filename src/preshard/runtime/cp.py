@@ -79,7 +79,9 @@ class CPState:
             raise PreshardError(
                 f"context parallel: {where} has sequence length {length}, and this forward pass split {self.seq_len} "
                 f"rows earlier; when sequences of different lengths are split, each must be a multiple of the CP "
-                f"size {self.cp_size}: pad the inputs"
+                f"size {self.cp_size}: in a pipeline, pick the height, width, num_frames or max_sequence_length that "
+                f"make each sequence a multiple of {self.cp_size} (or run with a CP size dividing both); calling the "
+                f"model directly, pad each input sequence to a multiple of {self.cp_size}"
             )
 
     def attention_length(self, local_rows: int) -> int:
@@ -97,7 +99,9 @@ def _split_tensor(state: CPState, x: Any, dim: int, expected_dims: int | None, w
     if not isinstance(x, torch.Tensor):
         raise PreshardError(f"context parallel: {where} is {type(x).__name__}, not a tensor the CP plan can split")
     if expected_dims is not None and x.dim() != expected_dims:
-        raise PreshardError(f"context parallel: {where} has {x.dim()} dims, the CP plan expects {expected_dims}")
+        # As diffusers reads its `_cp_plan`: the split applies to tensors of that many dims only (Wan splits its
+        # timestep when it is per token, `[B, S]`, and leaves the usual `[B]` whole).
+        return x
     dim = dim % x.dim()
     length = x.shape[dim]
     state.note_length(length, where)

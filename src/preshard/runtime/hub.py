@@ -26,9 +26,18 @@ import os
 import shutil
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-from preshard.errors import CorruptCheckpointError, SourceError, UsageError
+from preshard.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    SourceError,
+    SourceNotFoundError,
+    SourceUnreachableError,
+    UsageError,
+)
+from preshard.format.folder import read_regular
 from preshard.format.layout import ChunkRecord
 from preshard.format.manifest import DCP_METADATA_NAME, MANIFEST_NAME, Manifest, chunk_digest, read_manifest
 
@@ -57,13 +66,35 @@ def rank_files(manifest: Manifest, tp_rank: int) -> tuple[list[str], dict[str, l
     return [name for name in order if name in whole], parts
 
 
+@dataclass(frozen=True)
+class RankCheckpoint:
+    """What `fetch_rank_checkpoint` fetched: the folder to load from, its manifest (parsed once) and the commit."""
+
+    folder: Path
+    manifest: Manifest
+    commit: str
+
+
 def fetch_rank_files(
     repo_id: str,
     *,
     tp_rank: int | Callable[[Manifest], int] = 0,
     revision: str | None = None,
     token: str | bool | None = None,
+    subfolder: str | None = None,
 ) -> Path:
+    """The folder of `fetch_rank_checkpoint` (same arguments, same errors)."""
+    return fetch_rank_checkpoint(repo_id, tp_rank=tp_rank, revision=revision, token=token, subfolder=subfolder).folder
+
+
+def fetch_rank_checkpoint(
+    repo_id: str,
+    *,
+    tp_rank: int | Callable[[Manifest], int] = 0,
+    revision: str | None = None,
+    token: str | bool | None = None,
+    subfolder: str | None = None,
+) -> RankCheckpoint:
     """Fetch what one TP rank of a pre-sharded Hub checkpoint reads; return a folder that loads like a local one.
 
     Args:
@@ -72,31 +103,39 @@ def fetch_rank_files(
             CP from the converted one, so `load_sharded` computes it once the manifest is known).
         revision: branch, tag or commit (default: the default branch). Every file comes from one commit.
         token: Hub token (default: HF_TOKEN or the saved login).
+        subfolder: the folder of the repo holding the checkpoint (default: the repo's root).
 
     Returns:
-        The folder to load from (the HF cache's snapshot folder, or this rank's folder in the assets cache).
+        The folder to load from (the HF cache's snapshot folder, or this rank's folder in the assets cache), the
+        manifest, and the commit `revision` resolved to (every rank of a job must load the same one).
 
     Raises:
         CorruptCheckpointError: `repo_id` is no repo id (and no local path), or its manifest is damaged.
         SourceError: the repo, revision or a file cannot be fetched (one line, naming it and the fix).
     """
-    from preshard.sources.hub import download_files, is_repo_id
+    from preshard.sources.hub import clean_subfolder, download_files, is_repo_id
 
     if not is_repo_id(repo_id):
-        raise CorruptCheckpointError(
+        raise CheckpointNotFoundError(
             f"checkpoint {repo_id} does not exist; pass the folder convert-checkpoint wrote or a Hub repo id (org/name)"
         )
-    head = download_files(repo_id, [MANIFEST_NAME], revision=revision, token=token)
+    subfolder = clean_subfolder(subfolder)
+    head = download_files(repo_id, [MANIFEST_NAME], revision=revision, token=token, subfolder=subfolder)
     manifest = read_manifest(head.folder)
     rank = tp_rank(manifest) if callable(tp_rank) else tp_rank
     if not 0 <= rank < manifest.tp:
         raise UsageError(f"TP rank {rank} is outside the checkpoint's tp={manifest.tp}")
     whole, ranged = rank_files(manifest, rank)
     small = [MANIFEST_NAME, DCP_METADATA_NAME] + ([manifest.config.name] if manifest.config is not None else [])
-    snapshot = download_files(repo_id, small + whole, revision=head.commit, token=token).folder
-    if all(_cached(repo_id, name, head.commit) for name in ranged):
-        return snapshot
-    return _rank_folder(repo_id, head.commit, snapshot, manifest, rank, small + whole, ranged, token)
+    snapshot = download_files(repo_id, small + whole, revision=head.commit, token=token, subfolder=subfolder).folder
+    if all(_cached(repo_id, _in(subfolder, name), head.commit) for name in ranged):
+        return RankCheckpoint(snapshot, manifest, head.commit)
+    folder = _rank_folder(repo_id, head.commit, snapshot, manifest, rank, small + whole, ranged, token, subfolder)
+    return RankCheckpoint(folder, manifest, head.commit)
+
+
+def _in(subfolder: str | None, name: str) -> str:
+    return f"{subfolder}/{name}" if subfolder else name
 
 
 def _cached(repo_id: str, name: str, commit: str) -> bool:
@@ -114,6 +153,7 @@ def _rank_folder(
     links: list[str],
     ranged: dict[str, list[ChunkRecord]],
     token: str | bool | None,
+    subfolder: str | None = None,
 ) -> Path:
     """This rank's folder in the assets cache: links to the downloaded files, sparse files with its records."""
     from huggingface_hub import cached_assets_path, constants
@@ -121,7 +161,7 @@ def _rank_folder(
     # The assets folder as configured now (cached_assets_path's own default is bound when huggingface_hub is imported).
     assets = constants.HF_ASSETS_CACHE
     root = cached_assets_path(LIBRARY, namespace=repo_id.replace("/", "--"), subfolder=commit, assets_dir=assets)
-    final = root / f"tp{rank}-of-{manifest.tp}"
+    final = root / ((f"{subfolder.replace('/', '--')}--" if subfolder else "") + f"tp{rank}-of-{manifest.tp}")
     if _complete(final, manifest):
         return final
     work = root / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -129,7 +169,7 @@ def _rank_folder(
     try:
         for name in links:
             _link(snapshot / name, work / name)
-        _fetch_records(repo_id, commit, manifest, ranged, work, token)
+        _fetch_records(repo_id, commit, manifest, ranged, work, token, subfolder)
         (work / COMPLETE_NAME).write_text(
             json.dumps({"digest": manifest.digest, "links": links, "records": sorted(ranged)})
         )
@@ -148,8 +188,8 @@ def _rank_folder(
 def _complete(folder: Path, manifest: Manifest) -> bool:
     """A finished rank folder for this manifest whose links still resolve."""
     try:
-        done = json.loads((folder / COMPLETE_NAME).read_text())
-    except (OSError, ValueError):
+        done = json.loads(read_regular(folder / COMPLETE_NAME, COMPLETE_NAME, CorruptCheckpointError, "remove it"))
+    except (OSError, ValueError, CorruptCheckpointError):
         return False
     if not isinstance(done, dict) or done.get("digest") != manifest.digest:
         return False
@@ -184,29 +224,31 @@ def _fetch_records(
     ranged: dict[str, list[ChunkRecord]],
     folder: Path,
     token: str | bool | None,
+    subfolder: str | None = None,
 ) -> None:
     """Read the records of `ranged` with ranged requests into sparse files of the recorded sizes, checked."""
     from huggingface_hub import HfFileSystem, constants
     from huggingface_hub.errors import HfHubHTTPError
 
-    from preshard.sources.hub import _hub_error, _not_cached, _offline, _TransportError
+    from preshard.sources.hub import TransportError, hub_error, not_cached_message, offline_mode
 
     if not ranged:
         return
-    if _offline():
+    if offline_mode():
         name = next(iter(ranged))
-        raise SourceError(
-            _not_cached(f"{name} of Hub repo {repo_id} (commit {commit})", True)
+        raise SourceUnreachableError(
+            not_cached_message(f"{name} of Hub repo {repo_id} (commit {commit})", True)
             + "; or download the whole checkpoint once (hf download)"
         )
     fs = HfFileSystem(token=token, endpoint=constants.ENDPOINT, skip_instance_cache=True)
     for name, chunks in ranged.items():
         size = manifest.file(name).size
         path = folder / name
+        remote_path = f"{repo_id}/{_in(subfolder, name)}"
         try:
             with (
                 open(path, "wb") as out,
-                fs.open(f"{repo_id}/{name}", "rb", revision=commit, cache_type="none", size=size) as remote,
+                fs.open(remote_path, "rb", revision=commit, cache_type="none", size=size) as remote,
             ):
                 out.truncate(size)  # sparse: only this rank's records take space
                 for start, end, members in _spans(chunks):
@@ -222,11 +264,11 @@ def _fetch_records(
                 out.flush()
                 os.fsync(out.fileno())
         except FileNotFoundError:
-            raise SourceError(
+            raise SourceNotFoundError(
                 f"{name} is not in Hub repo {repo_id} at commit {commit}; upload the whole checkpoint folder"
             ) from None
-        except (HfHubHTTPError, _TransportError) as exc:
-            raise _hub_error(exc, repo_id, commit, offline=False, path=name) from exc
+        except (HfHubHTTPError, TransportError) as exc:
+            raise hub_error(exc, repo_id, commit, offline=False, path=name) from exc
 
 
 def _check_records(name: str, start: int, data: bytes, chunks: list[ChunkRecord]) -> None:

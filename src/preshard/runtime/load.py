@@ -12,22 +12,26 @@ from torch import nn
 
 from preshard.errors import MismatchError, UsageError
 from preshard.format.dtypes import parse_cast
-from preshard.format.manifest import Manifest, read_manifest
+from preshard.format.manifest import MANIFEST_NAME, Manifest
 from preshard.format.mesh import MeshSpec
 from preshard.runtime import collectives
+from preshard.runtime.agreement import agree_on_checkpoint, agree_on_outcome
 from preshard.runtime.construct import (
     build_model,
     check_against_manifest,
     check_config,
     divide_heads,
+    ignored_tensors,
     localise,
-    read_checkpoint_config,
 )
 from preshard.runtime.devices import RankDevice, init_rank_device
 from preshard.runtime.groups import MeshGroups, build_groups
+from preshard.runtime.held import HeldCheckpoint
+from preshard.runtime.lora import attach_lora_loading
 from preshard.runtime.reader import ShardReader
 from preshard.runtime.report import REPORT_ATTRIBUTE, LoadReport
-from preshard.runtime.tp import parallelize_linear
+from preshard.runtime.tp import parallelize_linear, parallelize_norms, split_outputs
+from preshard.units import plural
 
 
 def load_sharded(
@@ -44,6 +48,7 @@ def load_sharded(
     verify: bool = False,
     revision: str | None = None,
     token: str | bool | None = None,
+    subfolder: str | None = None,
 ) -> nn.Module:
     """Load this rank's shard of a converted checkpoint into `model`, with the TP and CP hooks attached.
 
@@ -64,6 +69,8 @@ def load_sharded(
         verify: also check every chunk this rank reads against its xxh3_64 (the cheap structural and framing
             checks always run).
         revision, token: for a Hub repo.
+        subfolder: the folder inside `checkpoint` (a Hub repo or a local folder) that holds the converted checkpoint,
+            e.g. "transformer" for a pipeline repo.
 
     Returns:
         The model, with `model.preshard_report` describing what was read and which hooks sit where.
@@ -75,55 +82,114 @@ def load_sharded(
     """
     return _load_sharded(
         model, checkpoint, mesh=mesh, cp=cp, ring=ring, ulysses=ulysses, order=order, device=device, dtype=dtype,
-        verify=verify, revision=revision, token=token,
+        verify=verify, revision=revision, token=token, subfolder=subfolder,
     )  # fmt: skip
 
 
 def _load_sharded(
-    model, checkpoint, *, mesh, cp, ring, ulysses, order, device, dtype, verify, revision, token, place_buffers=True
-) -> nn.Module:
+    model, checkpoint, *, mesh, cp, ring, ulysses, order, device, dtype, verify, revision, token, subfolder=None,
+    place_buffers=True,
+) -> nn.Module:  # fmt: skip
     """`load_sharded`, with a switch tests use to leave buffers where the model put them."""
     start = time.perf_counter()
     cast = parse_cast(dtype, "dtype=")
     rank_device = init_rank_device(device)  # first: a rank of a Hub checkpoint must know its TP coordinate
 
-    fetched: list[Manifest] = []  # a Hub checkpoint's manifest, parsed once to pick the files to fetch
+    # Open (and hold) everything this rank reads, then agree with the other ranks that it is the same checkpoint.
+    held = commit = run_mesh = None
+    error: BaseException | None = None
+    try:
+        opened = _open_checkpoint(checkpoint, revision, token, subfolder, rank_device, mesh, cp, ring, ulysses, order)
+        held, commit, run_mesh = opened
+    except Exception as exc:  # told to the other ranks first, so that none waits for this one
+        error = exc
+    try:
+        agree_on_checkpoint(rank_device, held and held.manifest.digest, commit, error, str(checkpoint))
+        return _load_held(model, held, run_mesh, rank_device, cast, verify, place_buffers, start)
+    finally:
+        if held is not None:
+            held.close()
 
-    def tp_rank_of(manifest: Manifest) -> int:
-        fetched.append(manifest)
-        return _run_mesh(manifest, rank_device, mesh, cp, ring, ulysses, order).coords(rank_device.rank)["tp"]
 
-    checkpoint = _local_checkpoint(checkpoint, revision, token, tp_rank_of)
-    manifest = fetched[0] if fetched else read_manifest(checkpoint)
-    config = read_checkpoint_config(checkpoint, manifest)
-    run_mesh = _run_mesh(manifest, rank_device, mesh, cp, ring, ulysses, order)
-    groups = build_groups(run_mesh, rank_device.rank)
-    collectives.check_backend_supports(
-        rank_device.backend,
-        {axis: run_mesh.groups(axis) for axis in ("tp", "ring", "ulysses", "cp")},
-        run_mesh.world_size,
-        neuron=rank_device.kind == "neuron",
-    )
-    tp_rank = groups.coords["tp"]
+def _open_checkpoint(
+    checkpoint, revision, token, subfolder, rank_device: RankDevice, mesh, cp, ring, ulysses, order
+) -> tuple[HeldCheckpoint, str | None, MeshSpec]:
+    """This rank's checkpoint, opened and held (a Hub repo's files fetched first), its Hub commit, the run mesh."""
+    path = Path(checkpoint)
+    if path.is_dir() and subfolder:
+        path = path / subfolder
+    if path.exists() or not isinstance(checkpoint, str):
+        if revision is not None:
+            raise UsageError(f"revision= applies to Hub repos, but {checkpoint} is a local path; drop revision=")
+        if path.is_file():
+            hint = f"the folder {path.parent}" if path.name == MANIFEST_NAME else "the folder convert-checkpoint wrote"
+            raise UsageError(f"checkpoint {checkpoint} is a file, not a checkpoint folder; pass {hint}")
+        held, commit = HeldCheckpoint.open(path), None
+    else:
+        from huggingface_hub import constants
 
-    net = build_model(model, checkpoint, config)
-    check_against_manifest(net, manifest)
-    check_config(net, config)
-    report = _new_report(rank_device, run_mesh, groups, checkpoint)
-    sharded = localise(net, manifest)
-    report.heads_divided = divide_heads(net, manifest)
+        from preshard.runtime.hub import fetch_rank_checkpoint
 
-    keep_fp32 = list(getattr(type(net), "_keep_in_fp32_modules", None) or [])
-    locals_ = {
-        name: torch.empty(
-            record.layout.local_shape(manifest.tp),
-            dtype=_target_dtype(name, record.layout.dtype, cast, keep_fp32),
-            device=rank_device.device,
+        def tp_rank_of(manifest: Manifest) -> int:
+            return _run_mesh(manifest, rank_device, mesh, cp, ring, ulysses, order).coords(rank_device.rank)["tp"]
+
+        fetched = fetch_rank_checkpoint(
+            checkpoint, tp_rank=tp_rank_of, revision=revision, token=token, subfolder=subfolder
         )
-        for name, record in manifest.tensors.items()
-    }
-    with ShardReader(checkpoint, manifest, tp_rank, verify=verify, pin=rank_device.pin_host_memory) as reader:
-        reader.read_all(locals_)
+        # Its links lead into the HF cache (preshard's own rank folder, or a snapshot): allowed there, nowhere else.
+        held = HeldCheckpoint.open(fetched.folder, link_root=constants.HF_HUB_CACHE, manifest=fetched.manifest)
+        commit = fetched.commit
+    try:
+        run_mesh = _run_mesh(held.manifest, rank_device, mesh, cp, ring, ulysses, order)
+        held.open_data(held.manifest.files_for_tp_rank(run_mesh.coords(rank_device.rank)["tp"]))
+    except BaseException:
+        held.close()
+        raise
+    return held, commit, run_mesh
+
+
+def _load_held(
+    model, held: HeldCheckpoint, run_mesh: MeshSpec, rank_device: RankDevice, cast, verify, place_buffers, start
+) -> nn.Module:
+    """Build the model and read this rank's shard from the files `held` opened (every rank agreed on them)."""
+    manifest, checkpoint, config = held.manifest, held.path, held.config
+    groups = build_groups(run_mesh, rank_device.rank)
+    error: BaseException | None = None
+    try:
+        collectives.check_backend_supports(
+            rank_device.backend,
+            {axis: run_mesh.groups(axis) for axis in ("tp", "ring", "ulysses", "cp")},
+            run_mesh.world_size,
+            neuron=rank_device.kind == "neuron",
+        )
+        tp_rank = groups.coords["tp"]
+
+        net = build_model(model, checkpoint, config)
+        check_against_manifest(net, manifest)
+        check_config(net, config)
+        report = _new_report(rank_device, run_mesh, groups, checkpoint)
+        sharded = localise(net, manifest)
+        report.heads_divided = divide_heads(net, manifest)
+
+        keep_fp32 = list(getattr(type(net), "_keep_in_fp32_modules", None) or [])
+        skipped = ignored_tensors(net, manifest)
+        locals_ = {
+            name: torch.empty(
+                record.layout.local_shape(manifest.tp),
+                dtype=_target_dtype(name, record.layout.dtype, cast, keep_fp32),
+                device=rank_device.device,
+            )
+            for name, record in manifest.tensors.items()
+            if name not in skipped
+        }
+        fds = held.open_data(manifest.files_for_tp_rank(tp_rank))
+        pin = rank_device.pin_host_memory
+        with ShardReader(checkpoint, manifest, tp_rank, verify=verify, pin=pin, fds=fds) as reader:
+            reader.read_all(locals_)
+    except Exception as exc:  # told to the other ranks at the end of the load, so that none goes on alone
+        error = exc
+    # Every rank read what it agreed on; that checkpoint must still be the one at the path, on every rank.
+    agree_on_outcome(rank_device, error, held.replaced() if error is None else None)
     for name, local in locals_.items():
         _assign(net, name, local)
     report.bytes_read, report.chunks_read = reader.stats.bytes_read, reader.stats.chunks
@@ -132,11 +198,24 @@ def _load_sharded(
     if place_buffers:
         report.buffers_placed = place_unloaded_buffers(net, manifest, rank_device.device)
     check_placement(net, rank_device.device)
-    for module_name, module in sharded.items():
+    # Norms are parallelised below, with the ones that have no weight; LoRA adapters only ever target linears.
+    linears = {
+        name: module
+        for name, module in sharded.items()
+        if manifest.tensors[f"{name}.weight"].layout.style.module_kind == "linear"
+    }
+    for module_name, module in linears.items():
         style = manifest.tensors[f"{module_name}.weight"].layout.style
         description = parallelize_linear(module, style, groups.tp, tp_rank, manifest.tp)
         if description is not None:
             report.add_hook(module_name, description)
+    tp_hooks = {
+        **parallelize_norms(net, manifest.plan, groups.tp, tp_rank, manifest.tp),
+        **split_outputs(net, manifest.plan, tp_rank, manifest.tp),
+    }
+    for module_name, description in tp_hooks.items():
+        report.add_hook(module_name, description)
+    attach_lora_loading(net, linears, manifest, groups.tp, tp_rank, report)
     if run_mesh.cp > 1:
         from preshard.runtime.cp import attach_context_parallel
 
@@ -145,20 +224,6 @@ def _load_sharded(
     report.total_seconds = time.perf_counter() - start
     setattr(net, REPORT_ATTRIBUTE, report)
     return net
-
-
-def _local_checkpoint(
-    checkpoint: str | Path, revision: str | None, token: str | bool | None, tp_rank_of: Callable[[Manifest], int]
-) -> Path:
-    """A local checkpoint folder as given, or the files this rank reads of a pre-sharded Hub repo."""
-    path = Path(checkpoint)
-    if path.exists() or not isinstance(checkpoint, str):
-        if revision is not None:
-            raise UsageError(f"revision= applies to Hub repos, but {checkpoint} is a local path; drop revision=")
-        return path
-    from preshard.runtime.hub import fetch_rank_files
-
-    return fetch_rank_files(checkpoint, tp_rank=tp_rank_of, revision=revision, token=token)
 
 
 def _run_mesh(manifest: Manifest, rank_device: RankDevice, mesh, cp, ring, ulysses, order) -> MeshSpec:
@@ -175,12 +240,23 @@ def _run_mesh(manifest: Manifest, rank_device: RankDevice, mesh, cp, ring, ulyss
     else:
         run = MeshSpec.build(saved.tp, cp, ring, ulysses, order, default=saved)
     if run.world_size != rank_device.world_size:
-        raise MismatchError(
-            f"world size {rank_device.world_size} does not match the mesh {run.describe()} = {run.world_size} ranks; "
-            f"launch {run.world_size} ranks (torchrun --nproc-per-node {run.world_size}) or pass ring=/ulysses= "
-            f"whose product with tp={run.tp} is {rank_device.world_size}"
-        )
+        raise MismatchError(world_size_message(run, rank_device.world_size))
     return run
+
+
+def world_size_message(run: MeshSpec, world: int) -> str:
+    """The job has `world` ranks, the mesh needs another number: say how to launch it, and, where the job's size can
+    work (a multiple of the TP degree), which CP layout would fit it instead."""
+    how = "this process runs alone (not under torchrun)" if world == 1 else f"the job has {plural(world, 'rank')}"
+    message = (
+        f"the mesh {run.describe()} needs {plural(run.world_size, 'rank')} but {how}; launch it with torchrun "
+        f"--nproc-per-node {run.world_size} (or --nnodes N --nproc-per-node {run.world_size}/N across N hosts)"
+    )
+    if world > 1 and world % run.tp == 0:
+        message += f", or pass cp={world // run.tp} (or ring=/ulysses= with that product) to run on {world} ranks"
+    elif world > 1 and world % run.tp:
+        message += f"; the checkpoint's tp={run.tp} needs a multiple of {run.tp} ranks"
+    return message
 
 
 def _new_report(rank_device: RankDevice, mesh: MeshSpec, groups: MeshGroups, checkpoint: Path) -> LoadReport:
@@ -240,4 +316,7 @@ def check_placement(net: nn.Module, device: torch.device) -> None:
     ]
     if wrong:
         shown = ", ".join(wrong[:5]) + (f" and {len(wrong) - 5} more" if len(wrong) > 5 else "")
-        raise MismatchError(f"{len(wrong)} tensors are not on {device} after loading: {shown}")
+        raise MismatchError(
+            f"{plural(len(wrong), 'tensor')} {'is' if len(wrong) == 1 else 'are'} not on {device} after loading: "
+            f"{shown}"
+        )

@@ -26,8 +26,9 @@ from pathlib import Path
 import torch
 import xxhash
 
-from preshard.errors import ChecksumMismatch, CorruptCheckpointError
+from preshard.errors import CheckpointFileMissingError, ChecksumMismatch, CorruptCheckpointError
 from preshard.format.fileio import byte_view, pread_into
+from preshard.format.folder import CheckpointFolder
 from preshard.format.layout import ChunkRecord
 from preshard.format.manifest import Manifest
 
@@ -44,19 +45,35 @@ class ReadStats:
     seconds: float = 0.0
 
 
-def check_files(checkpoint: Path, manifest: Manifest, names: list[str]) -> None:
-    """Each data file this rank needs exists with the recorded size (a missing file would leave rows unset)."""
-    for name in names:
-        path = checkpoint / name
-        record = manifest.file(name)
-        if not path.is_file():
-            raise CorruptCheckpointError(f"data file {path} is missing; copy the whole checkpoint folder again")
-        size = path.stat().st_size
-        if size != record.size:
-            raise CorruptCheckpointError(
-                f"data file {path} is {size} bytes, the manifest says {record.size}: it is truncated or "
-                "damaged; copy it again"
-            )
+def open_data_files(folder: CheckpointFolder, manifest: Manifest, names: list[str]) -> dict[str, int]:
+    """Open each data file this rank needs, inside the checkpoint folder and only if it is a regular file of the
+    recorded size (a missing or short file would leave rows unset). The caller closes the descriptors.
+
+    Raises:
+        CorruptCheckpointError: a file missing, of the wrong size, out of the folder or not a regular file.
+    """
+    fds: dict[str, int] = {}
+    try:
+        for name in names:
+            path = folder.path / name
+            try:
+                fds[name] = folder.open(name)
+            except FileNotFoundError:
+                raise CheckpointFileMissingError(
+                    f"data file {path} is missing; copy the whole checkpoint folder again"
+                ) from None
+            size = os.fstat(fds[name]).st_size
+            record = manifest.file(name)
+            if size != record.size:
+                raise CorruptCheckpointError(
+                    f"data file {path} is {size} bytes, the manifest says {record.size}: it is truncated or "
+                    "damaged; copy it again"
+                )
+    except BaseException:
+        for fd in fds.values():
+            os.close(fd)
+        raise
+    return fds
 
 
 @dataclass(frozen=True)
@@ -103,27 +120,42 @@ class _Transfers:
 
 
 class ShardReader:
-    """Opens the files one TP rank needs and reads its tensors; use as a context manager."""
+    """Reads one TP rank's tensors from the files it needs; use as a context manager.
 
-    def __init__(self, checkpoint: Path, manifest: Manifest, tp_rank: int, *, verify: bool, pin: bool) -> None:
-        self.checkpoint = checkpoint
+    Args:
+        fds: the data files, already opened (and held) by the caller (`preshard.runtime.held`), who closes them;
+            by default they are opened here (`open_data_files`) and closed on exit.
+    """
+
+    def __init__(
+        self,
+        checkpoint: Path,
+        manifest: Manifest,
+        tp_rank: int,
+        *,
+        verify: bool,
+        pin: bool,
+        fds: dict[str, int] | None = None,
+    ) -> None:
+        self.checkpoint = Path(checkpoint)
         self.manifest = manifest
         self.chunks = manifest.chunks_for_tp_rank(tp_rank)
         self.verify = verify
         self.pin = pin
         self.stats = ReadStats(files=manifest.files_for_tp_rank(tp_rank))
-        check_files(checkpoint, manifest, self.stats.files)
-        self.fds: dict[str, int] = {}
+        self._owned = fds is None
+        if fds is None:
+            fds = open_data_files(CheckpointFolder(self.checkpoint), manifest, self.stats.files)
+        self.fds: dict[str, int] = {name: fds[name] for name in self.stats.files}
 
     def __enter__(self) -> ShardReader:
         self._start = time.perf_counter()
-        for name in self.stats.files:
-            self.fds[name] = os.open(self.checkpoint / name, os.O_RDONLY)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
+        if self._owned:
+            for fd in self.fds.values():
+                os.close(fd)
         self.stats.seconds = time.perf_counter() - self._start
 
     def read(self, name: str, out: torch.Tensor) -> None:
@@ -139,6 +171,9 @@ class ShardReader:
         direct: list[tuple[ChunkRecord, torch.Tensor]] = []
         staged: list[tuple[ChunkRecord, torch.Tensor]] = []
         for job in jobs:
+            if not job[0].data_length:  # framing alone, however many rows of nothing (never iterate over them)
+                self._read_empty(job[0])
+                continue
             (direct if self._direct(*job) else staged).append(job)
         for chunk, target in direct:
             self._read_direct(chunk, target)
@@ -182,7 +217,7 @@ class ShardReader:
             )
 
     def _count(self, chunk: ChunkRecord) -> None:
-        self.stats.bytes_read += chunk.data_length
+        self.stats.bytes_read += chunk.load_bytes
         self.stats.chunks += 1
 
     # -- CPU: straight into the parameter
@@ -194,6 +229,14 @@ class ShardReader:
         self._check_framing(chunk, header)
         if self.verify:
             self._check_digest(chunk, xxhash.xxh3_64_hexdigest(data))
+        self._count(chunk)
+
+    def _read_empty(self, chunk: ChunkRecord) -> None:
+        header = bytearray(len(chunk.framing.header))
+        pread_into(self.fds[chunk.file], chunk.offset, [header], str(self._where(chunk)))
+        self._check_framing(chunk, header)
+        if self.verify:
+            self._check_digest(chunk, xxhash.xxh3_64_hexdigest(b""))
         self._count(chunk)
 
     # -- through host buffers: a reader thread ahead of the copies

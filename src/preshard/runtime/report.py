@@ -33,6 +33,11 @@ class LoadReport:
     read_seconds: float = 0.0
     total_seconds: float = 0.0
 
+    def to_dict(self) -> dict[str, Any]:
+        """The report as plain data; `read_bytes_per_rank` is this rank's reads, as `plan` and `inspect` count them."""
+        data = {k: v for k, v in vars(self).items() if k != "bytes_read"}
+        return {"read_bytes_per_rank": self.bytes_read, **data}
+
     def add_hook(self, module: str, description: str) -> None:
         self.hooks.setdefault(module, []).append(description)
 
@@ -41,10 +46,11 @@ class LoadReport:
         return sorted(m for m, hooks in self.hooks.items() if any(text in h for h in hooks))
 
     def summary(self) -> str:
-        from preshard.units import human_bytes
+        from preshard.units import human_bytes, plural
 
         return (
             f"rank {self.rank}/{self.world_size} {self.coords} on {self.device}: read {human_bytes(self.bytes_read)} "
-            f"from {len(self.files_read)} files in {self.read_seconds:.2f}s (load {self.total_seconds:.2f}s), "
-            f"{sum(len(h) for h in self.hooks.values())} hooks on {len(self.hooks)} modules"
+            f"from {plural(len(self.files_read), 'file')} in {self.read_seconds:.2f}s "
+            f"(load {self.total_seconds:.2f}s), "
+            f"{plural(sum(len(h) for h in self.hooks.values()), 'hook')} on {plural(len(self.hooks), 'module')}"
         )

@@ -1,22 +1,28 @@
-"""Tensor-parallel forward for styles that rewire their Linear (rowwise and its variants).
+"""Tensor-parallel forward for styles that rewire their module (rowwise and its variants, the TP RMSNorm), and
+the slicing of replicated outputs that each rank needs only its heads of.
 
 A row-parallel layer's partial products are summed with an all-reduce over the TP group and the bias is
 added once, after the reduce. That ordering cannot be expressed with forward hooks around
 `nn.Linear.forward` (its bias is already added on every rank), so the module's class is switched to a
 subclass whose forward is the style's own `parallel_forward`: names, parameters and
 `isinstance(m, nn.Linear)` are unchanged. Styles whose local output is already this rank's slice of the
-features (colwise, packed colwise) need nothing.
+features (colwise, packed colwise) need nothing. A norm across the heads of a column-split projection
+(`tp_rms_norm`) is switched the same way, to a subclass of its own class; everything its forward reads
+(group, rank, full width) is set on the module once, so torch.compile traces it with no graph break.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from preshard.format.styles import Style
+from preshard.errors import PlanError
+from preshard.format.plan import Plan, SeqDim, matches
+from preshard.format.styles import Style, TPRMSNorm
 from preshard.runtime import collectives
 
 
@@ -53,3 +59,124 @@ def parallelize_linear(
 def unparallelize_linear(module: nn.Linear) -> None:
     """Back to a plain nn.Linear (for negative controls: the output must then be wrong)."""
     module.__class__ = nn.Linear
+
+
+class ParallelNorm(nn.Module):
+    """Mixin put in front of a norm's own class: its forward is the style's, with the TP group's all-reduce."""
+
+    preshard_style: Style
+    preshard_forward: Callable[..., torch.Tensor]
+    preshard_full_width: int
+    tp_group: ProcessGroup | None
+    tp_rank: int
+    tp_size: int
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.preshard_forward(self, x, self.tp_rank, self.tp_size, self._all_reduce)
+
+    def _all_reduce(self, out: torch.Tensor) -> torch.Tensor:
+        return collectives.all_reduce_sum(out, self.tp_group) if self.tp_group is not None else out
+
+
+@functools.cache
+def _parallel_norm_class(cls: type) -> type:
+    """`ParallelNorm` in front of `cls`, so `isinstance(m, cls)` still holds (one class per norm class)."""
+    return type(f"Parallel{cls.__name__}", (ParallelNorm, cls), {"__module__": __name__})
+
+
+def parallelize_norms(
+    model: nn.Module, plan: Plan, group: ProcessGroup | None, tp_rank: int, tp: int
+) -> dict[str, str]:
+    """Switch every norm a `tp_rms_norm` rule names (with or without a weight) to the TP forward.
+
+    Call after the weights are in place: a norm's weight (if any) must already be its local slice.
+
+    Returns:
+        The description of each switched norm, by module name, for the model's report.
+
+    Raises:
+        PlanError: a rule matching no module, or a module that is not a supported RMSNorm, whose width `tp`
+            does not divide, or whose weight is not the local slice.
+    """
+    described: dict[str, str] = {}
+    modules = dict(model.named_modules())
+    for rule in plan.norm_rules():
+        hits = [name for name in modules if name and matches(rule.match, name)]
+        if not hits and not rule.optional:
+            raise PlanError(f"norm rule {rule.match!r} matches no module of {type(model).__name__}")
+        for name in hits:
+            module = modules[name]
+            if isinstance(module, ParallelNorm):
+                continue
+            why = TPRMSNorm.unsupported(module)
+            if why is not None:
+                raise PlanError(f"the plan gives {name} the {rule.style.name} style, but it {why}")
+            full = TPRMSNorm.width(module)
+            if full % tp:
+                raise PlanError(f"--tp {tp} does not divide the {full} features {name} normalises")
+            weight = getattr(module, "weight", None)
+            if weight is not None and tuple(weight.shape) != (full // tp,):
+                raise PlanError(
+                    f"{name} has a weight of shape {list(weight.shape)}, not its slice [{full // tp}] at tp={tp}; "
+                    "its weight must be split by the same tp_rms_norm rule in the checkpoint"
+                )
+            module.__class__ = _parallel_norm_class(type(module))
+            module.preshard_style, module.preshard_forward = rule.style, rule.style.parallel_forward()
+            module.preshard_full_width = full
+            module.tp_group, module.tp_rank, module.tp_size = group, tp_rank, tp
+            if hasattr(module, "normalized_shape"):
+                module.normalized_shape = (full // tp,)
+            else:
+                module.dim = torch.Size((full // tp,))
+            described[name] = f"tp: {rule.style.name}: sum of squares all-reduced(sum) over tp group, width {full}"
+    return described
+
+
+def _split_outputs_hook(name: str, specs: dict[int, SeqDim], tp_rank: int, tp: int):
+    def hook(module, args, output):
+        single = not isinstance(output, (tuple, list))
+        items = [output] if single else list(output)
+        for i, spec in specs.items():
+            x = items[i]
+            if not isinstance(x, torch.Tensor) or (spec.expected_dims is not None and x.dim() != spec.expected_dims):
+                got = f"{x.dim()} dims" if isinstance(x, torch.Tensor) else type(x).__name__
+                raise PlanError(
+                    f"tensor parallel: output {i} of {name} has {got}, the plan's tp_split_outputs expects a tensor "
+                    f"with {spec.expected_dims} dims; the plan does not fit this model"
+                )
+            dim = spec.dim % x.dim()
+            if x.shape[dim] % tp:
+                raise PlanError(
+                    f"tensor parallel: output {i} of {name} has {x.shape[dim]} entries on dim {dim}, which tp={tp} "
+                    "does not divide"
+                )
+            width = x.shape[dim] // tp
+            items[i] = x.narrow(dim, tp_rank * width, width)
+        return items[0] if single else type(output)(items)
+
+    return hook
+
+
+def split_outputs(model: nn.Module, plan: Plan, tp_rank: int, tp: int) -> dict[str, str]:
+    """Each TP rank keeps its 1/tp slice of the outputs `plan.tp_split_outputs` names (per-head rotary tables
+    computed whole by a replicated module, consumed by attention that holds this rank's heads only).
+
+    Returns:
+        The description of each hook, by module name.
+
+    Raises:
+        PlanError: an entry matching no module.
+    """
+    described: dict[str, str] = {}
+    if tp == 1:
+        return described
+    modules = dict(model.named_modules())
+    for pattern, specs in plan.tp_split_outputs.items():
+        hits = [name for name in modules if matches(pattern, name)]
+        if not hits:
+            raise PlanError(f"tp_split_outputs entry {pattern!r} matches no module of {type(model).__name__}")
+        for name in hits:
+            modules[name].register_forward_hook(_split_outputs_hook(name, specs, tp_rank, tp))
+            dims = ", ".join(f"output {i} dim {spec.dim}" for i, spec in specs.items())
+            described[name] = f"tp: keep this rank's slice of {dims}"
+    return described

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from preshard.errors import SourceError
+from preshard.errors import SourceError, SourceNotFoundError
 from preshard.sources.local import CheckpointSource, open_local
 
 if TYPE_CHECKING:
@@ -17,13 +17,16 @@ if TYPE_CHECKING:
 
 
 class SourceRows(Protocol):
-    """An open source: rows of its tensors, the file each tensor is in, and the file hashes it saw."""
+    """An open source: rows of its tensors, the file each tensor is in, the file hashes it saw, and proofs of what
+    each tensor read came from (journalled, so that a resume keeps only what the source still holds)."""
 
     def read_rows(self, name: str, start: int, count: int, out: torch.Tensor) -> None: ...
     def start_band(self, name: str, start: int, count: int, buffer: torch.Tensor) -> Any: ...
     def finish_band(self, band: Any) -> torch.Tensor: ...
     def file_of(self, name: str) -> str: ...
     def file_hashes(self, names: set[str] | None = None) -> dict[str, str]: ...
+    def take_proofs(self) -> dict[str, str]: ...
+    def prove(self, kept: list[tuple[str, str | None]], check_stop: Any = None) -> int: ...
     def close(self) -> None: ...
 
 
@@ -56,7 +59,7 @@ def _local_path(source: str | Path, subfolder: str | None, revision: str | None)
 
 
 def _missing(source: str | Path) -> SourceError:
-    return SourceError(
+    return SourceNotFoundError(
         f"source {source} does not exist; pass a .safetensors file, a folder holding them, or a Hub repo id (org/name)"
     )
 
@@ -171,9 +174,10 @@ def open_source_headers(
 
     from preshard.format.dtypes import SAFETENSORS_DTYPES
     from preshard.sources import hub
+    from preshard.sources.safetensors_file import check_shape
 
     headers, config, commit = hub.source_headers(str(source), subfolder=subfolder, revision=revision, token=token)
-    clean = hub._clean_subfolder(subfolder)
+    clean = hub.clean_subfolder(subfolder)
     snapshot = hub.HubSnapshot(str(source), clean, revision, commit, Path(), tuple(headers))
     tensors: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     for file_name, header in headers.items():
@@ -187,10 +191,10 @@ def open_source_headers(
                 raise SourceError(f"{file_name}: tensor {name} has unsupported dtype {info['dtype']!r}")
             if name in tensors:
                 raise SourceError(f"tensor {name} is stored twice in {source}; fix the repo's safetensors files")
-            tensors[name] = (tuple(info["shape"]), dtype)
+            tensors[name] = (check_shape(list(info["shape"]), dtype, f"{file_name}: tensor {name}"), dtype)
     raw_config = None
     if config is not None:
-        cached = try_to_load_from_cache(str(source), hub._join(clean, "config.json"), revision=commit)
+        cached = try_to_load_from_cache(str(source), hub.join_path(clean, "config.json"), revision=commit)
         raw_config = Path(cached).read_bytes() if isinstance(cached, str) else None
     return HeaderSource(str(source), snapshot, tensors, config, raw_config)
 

@@ -48,27 +48,32 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.utils import validate_repo_id
 
-from preshard.errors import SourceError
+from preshard.errors import (
+    SourceAccessError,
+    SourceError,
+    SourceNotFoundError,
+    SourceUnreachableError,
+)
 from preshard.format.jsonio import read_json
 
 try:  # the HTTP client huggingface_hub 2.x is built on: its connection and timeout errors
-    from httpx2 import TransportError as _TransportError
+    from httpx2 import TransportError
 except ImportError:  # pragma: no cover - other huggingface_hub releases
-    _TransportError = ConnectionError  # type: ignore[assignment,misc]
+    TransportError = ConnectionError  # type: ignore[assignment,misc]
 
 PREFERRED_INDEXES = ("diffusion_pytorch_model.safetensors.index.json", "model.safetensors.index.json")
 PREFERRED_FILES = ("diffusion_pytorch_model.safetensors", "model.safetensors")
 INDEX_SUFFIX = ".safetensors.index.json"
 TRUE_VALUES = {"1", "ON", "YES", "TRUE"}
 COMMIT_SHA = re.compile(r"[0-9a-f]{40}")
-# What huggingface_hub raises for a repo that cannot be resolved: mapped to one-line SourceErrors by _hub_error.
+# What huggingface_hub raises for a repo that cannot be resolved: mapped to one-line SourceErrors by hub_error.
 RESOLVE_FAILURES = (
     HfHubHTTPError,
     LocalEntryNotFoundError,
     OfflineModeIsEnabled,
     HFValidationError,
     LocalTokenNotFoundError,
-    _TransportError,
+    TransportError,
 )
 
 
@@ -111,10 +116,10 @@ def download_source(
     variants such as `*.fp16.safetensors`). With HF_HUB_OFFLINE=1, or when the Hub cannot be reached, the files
     come from the cache.
     """
-    subfolder = _clean_subfolder(subfolder)
+    subfolder = clean_subfolder(subfolder)
     res, index, small = _open(repo_id, subfolder, revision, token)
     weights = _index_files(res, subfolder, index) if index is not None else _single_file(res, subfolder)
-    snapshot = _fetch(res, [_join(subfolder, name) for name in weights], token)
+    snapshot = _fetch(res, [join_path(subfolder, name) for name in weights], token)
     files = tuple(_strip(subfolder, p) for p in small) + tuple(weights)
     return HubSnapshot(repo_id, subfolder, revision, res.commit, _within(snapshot, subfolder), files)
 
@@ -130,12 +135,12 @@ def source_headers(
     (`huggingface_hub.HfApi.parse_safetensors_file_metadata`: the first 100 kB, then the rest of a larger header),
     or from the cache when the file is already there. Works offline from the cache.
     """
-    subfolder = _clean_subfolder(subfolder)
+    subfolder = clean_subfolder(subfolder)
     res, index, small = _open(repo_id, subfolder, revision, token)
     weights = _index_files(res, subfolder, index) if index is not None else _single_file(res, subfolder)
-    _require(res, [_join(subfolder, name) for name in weights])
-    headers = {name: _header(res, _join(subfolder, name), token) for name in weights}
-    config_path = _join(subfolder, "config.json")
+    _require(res, [join_path(subfolder, name) for name in weights])
+    headers = {name: _header(res, join_path(subfolder, name), token) for name in weights}
+    config_path = join_path(subfolder, "config.json")
     config = None
     if config_path in small:
         config = _read_json(res.snapshot / config_path, f"{config_path} of {_where(res)}")
@@ -156,14 +161,14 @@ def download_files(
     reads. For follow-up calls, pass the returned `commit` as `revision`: every file then comes from the same commit,
     and files already in the cache need no request at all.
     """
-    subfolder = _clean_subfolder(subfolder)
+    subfolder = clean_subfolder(subfolder)
     names = list(dict.fromkeys(files))
     if not names:
         raise SourceError(f"no file of Hub repo {repo_id} was asked for; name the files to download")
     for name in names:
         if not isinstance(name, str) or not _is_relative(name):
             raise SourceError(f"{name!r} is not a file path inside Hub repo {repo_id}; use a relative path like 'a/b'")
-    paths = [_join(subfolder, name) for name in names]
+    paths = [join_path(subfolder, name) for name in names]
     if revision is not None and COMMIT_SHA.fullmatch(revision):  # immutable: files already cached need no Hub
         cached = [try_to_load_from_cache(repo_id, path, revision=revision) for path in paths]
         if all(isinstance(c, str) for c in cached):
@@ -197,7 +202,7 @@ def _resolve(repo_id: str, revision: str | None, token: str | bool | None, paths
     """
     if not isinstance(repo_id, str) or not repo_id:
         raise SourceError(f"{repo_id!r} is not a Hub repo id; use 'org/name'")
-    offline = _offline()
+    offline = offline_mode()
     try:
         with _no_match_is_fine():
             folder = snapshot_download(
@@ -208,7 +213,7 @@ def _resolve(repo_id: str, revision: str | None, token: str | bool | None, paths
                 allow_patterns=[_literal(p) for p in paths],
             )
     except RESOLVE_FAILURES as exc:
-        raise _hub_error(exc, repo_id, revision, offline=offline, path=paths[0] if len(paths) == 1 else None) from exc
+        raise hub_error(exc, repo_id, revision, offline=offline, path=paths[0] if len(paths) == 1 else None) from exc
     snapshot = Path(folder)
     try:  # the listing snapshot_download fetched (and cached) for this commit: no request
         names = frozenset(f.path for f in get_cached_repo_tree(repo_id, revision=snapshot.name))
@@ -223,10 +228,12 @@ def _open(
     repo_id: str, subfolder: str | None, revision: str | None, token: str | bool | None
 ) -> tuple[_Resolved, str | None, list[str]]:
     """Resolve, and fetch the subfolder's config.json and index: (resolved, index name or None, repo paths fetched)."""
-    guesses = [_join(subfolder, "config.json")] + [_join(subfolder, name) for name in PREFERRED_INDEXES]
+    guesses = [join_path(subfolder, "config.json")] + [join_path(subfolder, name) for name in PREFERRED_INDEXES]
     res = _resolve(repo_id, revision, token, guesses)
     index = _pick_index(res, subfolder)
-    small = [p for p in (_join(subfolder, "config.json"), index and _join(subfolder, index)) if p and p in res.names]
+    small = [
+        p for p in (join_path(subfolder, "config.json"), index and join_path(subfolder, index)) if p and p in res.names
+    ]
     _fetch(res, small, token)
     return res, index, small
 
@@ -265,7 +272,7 @@ def _single_file(res: _Resolved, subfolder: str | None) -> list[str]:
             "one file as a local path, or add the index that names them"
         )
     if not res.complete:
-        raise SourceError(_not_cached(f"the .safetensors files of {where}", res.offline))
+        raise SourceError(not_cached_message(f"the .safetensors files of {where}", res.offline))
     folders = sorted({n.rsplit("/", 1)[0] if "/" in n else "." for n in res.names if n.endswith(".safetensors")})
     hint = f"; folders with weights: {', '.join(folders)} (pass one as --subfolder)" if folders else ""
     raise SourceError(f"{where} holds no .safetensors file{hint}")
@@ -273,7 +280,7 @@ def _single_file(res: _Resolved, subfolder: str | None) -> list[str]:
 
 def _index_files(res: _Resolved, subfolder: str | None, index: str) -> list[str]:
     """The files `index` names, in its order (already downloaded: it is small)."""
-    path = _join(subfolder, index)
+    path = join_path(subfolder, index)
     data = _read_json(res.snapshot / path, f"{path} of {_where(res)}")
     weight_map = data.get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
@@ -300,8 +307,8 @@ def _fetch(res: _Resolved, paths: list[str], token: str | bool | None) -> Path:
     _require(res, missing)
     try:
         snapshot_download(res.repo_id, revision=res.commit, allow_patterns=[_literal(p) for p in missing], token=token)
-    except (HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled, _TransportError) as exc:
-        raise _hub_error(exc, res.repo_id, res.revision, offline=res.offline, path=missing[0]) from exc
+    except (HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled, TransportError) as exc:
+        raise hub_error(exc, res.repo_id, res.revision, offline=res.offline, path=missing[0]) from exc
     for path in missing:
         if not (res.snapshot / path).is_file():
             raise SourceError(f"downloading {path} of {_where(res)} did not complete; retry")
@@ -312,10 +319,10 @@ def _require(res: _Resolved, paths: list[str]) -> None:
     """Raise for the first of `paths` the repo lacks, or that is not cached when only the cache can be used."""
     for path in paths:
         if res.complete and path not in res.names:
-            raise SourceError(f"{path} is not in {_where(res)} (commit {res.commit[:12]})")
+            raise SourceNotFoundError(f"{path} is not in {_where(res)} (commit {res.commit[:12]})")
         # Offline, or the Hub could not be reached when resolving (the listing is the cache's): the cache or nothing.
         if (res.offline or not res.complete) and not (res.snapshot / path).is_file():
-            raise SourceError(_not_cached(f"{path} of {_where(res)}", res.offline))
+            raise SourceUnreachableError(not_cached_message(f"{path} of {_where(res)}", res.offline))
 
 
 def _header(res: _Resolved, path: str, token: str | bool | None) -> dict[str, Any]:
@@ -328,8 +335,8 @@ def _header(res: _Resolved, path: str, token: str | bool | None) -> dict[str, An
             meta = HfApi().parse_safetensors_file_metadata(res.repo_id, path, revision=res.commit, token=token)
     except SafetensorsParsingError as exc:
         raise SourceError(f"{path} of {_where(res)} is not a valid safetensors file: {_first_line(exc)}") from exc
-    except (HfHubHTTPError, OfflineModeIsEnabled, _TransportError) as exc:
-        raise _hub_error(exc, res.repo_id, res.revision, offline=res.offline, path=path) from exc
+    except (HfHubHTTPError, OfflineModeIsEnabled, TransportError) as exc:
+        raise hub_error(exc, res.repo_id, res.revision, offline=res.offline, path=path) from exc
     header: dict[str, Any] = {
         name: {"dtype": info.dtype, "shape": list(info.shape), "data_offsets": list(info.data_offsets)}
         for name, info in meta.tensors.items()
@@ -341,7 +348,7 @@ def _header(res: _Resolved, path: str, token: str | bool | None) -> dict[str, An
 # Errors
 
 
-def _hub_error(
+def hub_error(
     exc: BaseException, repo_id: str, revision: str | None, *, offline: bool, path: str | None = None
 ) -> SourceError:
     """One line for a huggingface_hub failure: what failed and what to do."""
@@ -350,11 +357,11 @@ def _hub_error(
     status = getattr(getattr(exc, "response", None), "status_code", None)
     if isinstance(exc, GatedRepoError):
         if status == 403:
-            return SourceError(
+            return SourceAccessError(
                 f"{where} is gated and the token used has no access to it: accept its conditions at "
                 f"{endpoint}/{repo_id} with that token's account, then retry"
             )
-        return SourceError(
+        return SourceAccessError(
             f"{where} is gated and no token was sent: accept its conditions at {endpoint}/{repo_id}, then pass "
             "--token or set HF_TOKEN (or run `hf auth login`)"
         )
@@ -365,24 +372,26 @@ def _hub_error(
             if status == 401
             else "if it is private, check that the token used can read it"
         )
-        return SourceError(f"Hub repo {repo_id} not found at {endpoint}{local}: check the spelling; {token_hint}")
+        return SourceNotFoundError(
+            f"Hub repo {repo_id} not found at {endpoint}{local}: check the spelling; {token_hint}"
+        )
     if isinstance(exc, RevisionNotFoundError):
-        return SourceError(
+        return SourceNotFoundError(
             f"revision {revision!r} not found in Hub repo {repo_id}: pass an existing branch, tag or commit sha "
             "as --revision"
         )
     if isinstance(exc, EntryNotFoundError) and not isinstance(exc, LocalEntryNotFoundError):
-        return SourceError(f"{path or 'a file'} is not in {where}")
+        return SourceNotFoundError(f"{path or 'a file'} is not in {where}")
     if isinstance(exc, HFValidationError):
         return SourceError(f"{repo_id!r} is not a valid Hub repo id ('org/name') and not an existing local path")
     if isinstance(exc, LocalTokenNotFoundError):
-        return SourceError(
+        return SourceAccessError(
             f"a token is required for {where} but none is set: pass --token, set HF_TOKEN or run `hf auth login`"
         )
     what = f"{path} of {where}" if path else where
-    if isinstance(exc, (LocalEntryNotFoundError, OfflineModeIsEnabled, _TransportError)):
-        offline = offline or isinstance(exc, OfflineModeIsEnabled) or _offline()
-        return SourceError(_not_cached(what, offline, exc))
+    if isinstance(exc, (LocalEntryNotFoundError, OfflineModeIsEnabled, TransportError)):
+        offline = offline or isinstance(exc, OfflineModeIsEnabled) or offline_mode()
+        return SourceUnreachableError(not_cached_message(what, offline, exc))
     if isinstance(exc, HfHubHTTPError):
         return SourceError(
             f"the Hub at {endpoint} answered HTTP {status} for {what}: {_first_line(exc)}; retry later, or check "
@@ -391,7 +400,7 @@ def _hub_error(
     return SourceError(f"{what}: {type(exc).__name__}: {_first_line(exc)}")
 
 
-def _not_cached(what: str, offline: bool, error: BaseException | None = None) -> str:
+def not_cached_message(what: str, offline: bool, error: BaseException | None = None) -> str:
     cache = constants.HF_HUB_CACHE
     if offline:
         return (
@@ -412,12 +421,12 @@ def _not_cached(what: str, offline: bool, error: BaseException | None = None) ->
 # Small helpers
 
 
-def _offline() -> bool:
+def offline_mode() -> bool:
     """HF_HUB_OFFLINE as huggingface_hub read it at import, or as set in the environment since."""
     return bool(constants.HF_HUB_OFFLINE) or os.environ.get("HF_HUB_OFFLINE", "").upper() in TRUE_VALUES
 
 
-def _clean_subfolder(subfolder: str | None) -> str | None:
+def clean_subfolder(subfolder: str | None) -> str | None:
     if subfolder is None:
         return None
     cleaned = subfolder.strip().strip("/")
@@ -432,7 +441,7 @@ def _is_relative(path: str) -> bool:
     return not path.startswith("/") and "\\" not in path and all(p not in ("", ".", "..") for p in path.split("/"))
 
 
-def _join(subfolder: str | None, name: str) -> str:
+def join_path(subfolder: str | None, name: str) -> str:
     return f"{subfolder}/{name}" if subfolder else name
 
 

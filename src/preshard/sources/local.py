@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from preshard.errors import SourceError
+from preshard.errors import SourceError, SourceNotFoundError
 from preshard.format.jsonio import read_json
 from preshard.sources.safetensors_file import SafetensorsHeader, TensorEntry, read_header
 
@@ -61,8 +61,8 @@ class CheckpointSource:
         return [entry.name for entry in self.in_file_order()]
 
     def input_paths(self) -> list[Path]:
-        """Files the output must not overlap."""
-        return [h.path for h in self.files]
+        """What the output must not overlap: the files, and a folder source's folder (no output inside it)."""
+        return [h.path for h in self.files] + ([self.path] if self.kind == "folder" else [])
 
     def config_bytes(self) -> bytes | None:
         return self.config_path.read_bytes() if self.config_path is not None else None
@@ -131,7 +131,7 @@ def open_local(path: str | Path) -> CheckpointSource:
     given = str(path)
     path = Path(path)
     if not path.exists():
-        raise SourceError(f"source {path} does not exist; pass a .safetensors file or a folder holding them")
+        raise SourceNotFoundError(f"source {path} does not exist; pass a .safetensors file or a folder holding them")
     if path.is_file():
         if path.name.endswith(".index.json"):
             return _from_index(path.parent, path, given)
@@ -149,6 +149,13 @@ def open_local(path: str | Path) -> CheckpointSource:
         raise SourceError(f"source {path} holds several index files ({names}); pass the one to use")
     files = sorted(path.glob("*.safetensors"))
     if not files:
+        components = _weight_subfolders(path)
+        if components:  # a diffusers pipeline folder (Wan 2.2 A14B: transformer and transformer_2, one expert each)
+            each = " and ".join(f"--subfolder {name}" for name in components)
+            raise SourceError(
+                f"source folder {path} is a pipeline folder, not one model's weights; convert each model you need "
+                f"separately, into its own output: {each}"
+            )
         raise SourceError(f"source folder {path} holds no .safetensors file; point at the model's weights folder")
     if len(files) > 1:
         raise SourceError(
@@ -156,6 +163,17 @@ def open_local(path: str | Path) -> CheckpointSource:
             "pass one file, or add the index that names them"
         )
     return _source("folder", path, [read_header(files[0])], path / CONFIG_NAME, given)
+
+
+def _weight_subfolders(folder: Path) -> list[str]:
+    """The subfolders of a diffusers pipeline folder (it has model_index.json) holding a model's weights and config."""
+    if not (folder / "model_index.json").is_file():
+        return []
+    return sorted(
+        sub.name
+        for sub in folder.iterdir()
+        if sub.is_dir() and (sub / CONFIG_NAME).is_file() and any(sub.glob("*.safetensors*"))
+    )
 
 
 def _from_index(folder: Path, index_path: Path, given: str) -> CheckpointSource:
@@ -168,7 +186,7 @@ def _from_index(folder: Path, index_path: Path, given: str) -> CheckpointSource:
     for file_name in dict.fromkeys(weight_map.values()):
         file_path = folder / file_name
         if Path(file_name).name != file_name or not file_path.is_file():
-            raise SourceError(f"{index_path.name} names {file_name}, which is missing from {folder}")
+            raise SourceNotFoundError(f"{index_path.name} names {file_name}, which is missing from {folder}")
         headers.append(read_header(file_path))
     source = _source("folder", folder, headers, folder / CONFIG_NAME, given)
     for name, file_name in weight_map.items():
@@ -199,7 +217,7 @@ def _source(kind: str, path: Path, headers: list[SafetensorsHeader], config_path
             if name in tensors:
                 raise SourceError(f"tensor {name} is stored twice, in {tensors[name].path.name} and {header.path.name}")
             tensors[name] = entry
-    config = read_config(config_path) if config_path.is_file() else None
+    config = read_config(config_path) if config_path.exists() else None  # a FIFO or folder there: one line
     return CheckpointSource(
         kind, path, headers, tensors, config, config_path if config is not None else None, given=given
     )

@@ -43,8 +43,9 @@ import numpy as np
 import torch
 import xxhash
 
-from preshard.errors import ChecksumMismatch, CorruptCheckpointError, SourceError
+from preshard.errors import CheckpointNotFoundError, ChecksumMismatch, CorruptCheckpointError, SourceError
 from preshard.format.fileio import HASH_BLOCK, byte_view, pread_into
+from preshard.format.folder import CheckpointFolder
 from preshard.format.jsonio import parse_json_text
 from preshard.format.layout import ChunkRecord
 from preshard.format.manifest import (
@@ -81,12 +82,15 @@ class PreshardedSource:
                 missing or of the wrong size.
         """
         self.folder = Path(folder)
+        self.files = CheckpointFolder(self.folder)  # every open stays inside the folder (or the HF cache it is in)
         self.manifest = manifest if manifest is not None else read_manifest(self.folder)
         self.given = given if given is not None else str(folder)
         self._config_bytes, self.config = self._read_config()
         for f in self.manifest.files:
-            path = self.folder / f.name
-            size = path.stat().st_size if path.is_file() else None
+            try:
+                size = self.files.size(f.name)
+            except FileNotFoundError:
+                size = None
             if size != f.size:
                 what = "is missing" if size is None else f"is {size} bytes, the manifest says {f.size}"
                 raise CorruptCheckpointError(
@@ -103,8 +107,8 @@ class PreshardedSource:
         if record is None:
             return None, None
         try:
-            raw = (self.folder / record.name).read_bytes()
-        except OSError:
+            raw = self.files.read_bytes(record.name, limit=record.size + 1)
+        except FileNotFoundError:
             raw = None
         if raw is None or not record.matches(raw):
             raise CorruptCheckpointError(
@@ -218,14 +222,18 @@ class PreshardedRows:
         self.fds: dict[str, int] = {}
         try:
             for f in self.manifest.files:
-                self.fds[f.name] = os.open(self.folder / f.name, os.O_RDONLY)
+                self.fds[f.name] = source.files.open(f.name)
         except OSError as exc:
             self.close()
             raise CorruptCheckpointError(
                 f"{source.given}: data file {exc.filename} cannot be opened ({exc.strerror}); restore it"
             ) from None
+        except BaseException:
+            self.close()
+            raise
         self._states: dict[tuple[str, int], _ChunkRead] = {}
         self._lock = threading.Lock()
+        self._read_names: set[str] = set()  # tensors read since the last take_proofs
         self._local = threading.local()
         self._source_file = {name: h.path.name for h in source.source_headers() for name in h.tensors}
 
@@ -240,6 +248,8 @@ class PreshardedRows:
         """
         record = self.manifest.tensors[name]
         layout = record.layout
+        with self._lock:
+            self._read_names.add(name)
         if layout.dtype == layout.source_dtype:
             self._read_stored(record, start, count, out)
             return
@@ -267,6 +277,20 @@ class PreshardedRows:
     def file_hashes(self, names: set[str] | None = None) -> dict[str, str]:
         """Nothing to report: the output manifest's source record is the original source's, not these files."""
         return {}
+
+    def take_proofs(self) -> dict[str, str]:
+        """What each tensor read since the last call came from: the input manifest's digest, which fixes every
+        chunk's bytes (each is checked against its xxh3_64 as it is read), so it proves the rows to a resume."""
+        with self._lock:
+            names, self._read_names = self._read_names, set()
+        return dict.fromkeys(names, self.manifest.digest)
+
+    def prove(self, kept: list[tuple[str, str | None]], check_stop=None) -> int:
+        """How many leading journalled tensors came from this very input (the same manifest digest)."""
+        for index, (_, recorded) in enumerate(kept):
+            if recorded != self.manifest.digest:
+                return index
+        return len(kept)
 
     def close(self) -> None:
         for fd in self.fds.values():
@@ -452,7 +476,7 @@ def open_presharded(
             checkpoint, checkpoint_files(manifest), revision=first.commit, token=token, subfolder=subfolder
         )
         return PreshardedSource(snapshot.folder, given=checkpoint, manifest=manifest)
-    raise CorruptCheckpointError(
+    raise CheckpointNotFoundError(
         f"checkpoint {checkpoint} does not exist; pass a folder convert-checkpoint wrote, or a Hub repo id (org/name)"
     )
 

@@ -2,8 +2,16 @@
 
 The converter reads every byte of the source once, in file order, so the provenance hashes cost no
 second pass. Reading again bytes already hashed (a packed column split read once per block) leaves the
-hash alone; a file read with gaps (a resumed conversion skips what is done; a parallel worker reads only
-what its files need) is hashed separately, if its hash is asked for.
+hash alone; a file read with gaps (a parallel worker reads only what its files need) is hashed
+separately, if its hash is asked for.
+
+The same in-order digest proves what a tensor was converted from, for a resume (`take_proofs`, `prove`):
+when the hash reaches the end of a tensor, its hex digest so far (xxh3_128 of the file's bytes up to the
+tensor's end, header included) is that tensor's proof, at no extra hashing. The converter journals it with
+the tensor; a resume re-reads the kept tensors' bytes, front to back (which also carries the file's hash on,
+so the kept part is not read a second time), and keeps a journalled tensor only if its proof comes out the
+same: whatever happened to the source between the runs (a file replaced by one of the same size, header and
+mtime), what is kept was converted from the bytes the source holds now.
 
 `read_band` reads a band of rows the cheapest way: from the page cache when all of it is there (a copy
 at memory speed), else with `O_DIRECT` straight into the caller's buffer. Going through the page cache
@@ -21,22 +29,28 @@ import errno
 import mmap
 import os
 import sys
+import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import xxhash
 
 from preshard.format.fileio import HASH_BLOCK, byte_view, pread_into
-from preshard.sources.local import CheckpointSource
 from preshard.sources.safetensors_file import TensorEntry
+
+if TYPE_CHECKING:  # local.py opens a reader: only the type comes from there
+    from preshard.sources.local import CheckpointSource
 
 ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and memory
 DIRECT_MIN_BYTES = 1 << 20  # smaller reads go through the page cache
 DIRECT_PARTS, DIRECT_PART_BYTES = 4, 4 << 20  # a direct read is split in up to 4 concurrent reads of >= 4 MiB
 # PRESHARD_DIRECT_IO=0 reads (and writes) through the page cache only.
 DIRECT_IO = os.environ.get("PRESHARD_DIRECT_IO", "1") != "0"
+EMPTY_PROOF = ""  # the proof of a tensor without bytes: nothing to read (its header is part of the job's key)
 
 
 def hash_file(path: Path) -> str:
@@ -91,8 +105,17 @@ class _Residency:
         self.page = mmap.PAGESIZE
 
     def cached(self, fd: int, offset: int, length: int) -> bool | None:
-        if self.libc is None:
-            return None
+        vec = self._vector(fd, offset, length)
+        return None if vec is None else all(b & 1 for b in vec)
+
+    def pages(self, fd: int, offset: int, length: int) -> int | None:
+        """How many pages of the range are in the page cache."""
+        vec = self._vector(fd, offset, length)
+        return None if vec is None else sum(b & 1 for b in vec)
+
+    def _vector(self, fd: int, offset: int, length: int) -> bytes | None:
+        if self.libc is None or length <= 0:
+            return None if self.libc is None else b""
         start = offset - offset % self.page
         length += offset - start
         addr = self.libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
@@ -103,9 +126,26 @@ class _Residency:
             vec = (ctypes.c_ubyte * pages)()
             if self.libc.mincore(addr, length, vec) != 0:
                 return None
-            return all(b & 1 for b in bytes(vec))
+            return bytes(vec)
         finally:
             self.libc.munmap(addr, length)
+
+
+def cached_bytes(path: Path, window: int = 1 << 30) -> int | None:
+    """How many bytes of `path` are in the page cache now (Linux `mincore`, asked window by window on a mapping that
+    is never touched); None where that cannot be asked. The dry run's estimate reads only what is not cached."""
+    residency = _Residency()
+    if residency.libc is None:
+        return None
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        cached = 0
+        for offset in range(0, size, window):
+            pages = residency.pages(f.fileno(), offset, min(window, size - offset))
+            if pages is None:
+                return None
+            cached += pages * residency.page
+    return min(cached, size)
 
 
 @dataclass
@@ -137,6 +177,15 @@ class SourceReader:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         self.digests = {path: xxhash.xxh3_128() for path in self.files}
         self.positions = {path: 0 for path in self.files}
+        # Where each tensor with bytes ends, by file: the in-order digest there is the tensor's proof.
+        self.ends: dict[Path, dict[int, str]] = {path: {} for path in self.files}
+        self._proofs: dict[str, str] = {}
+        self._proofs_lock = threading.Lock()
+        for entry in source.tensors.values():
+            if entry.nbytes:
+                self.ends[entry.path][entry.end] = entry.name
+            else:
+                self._proofs[entry.name] = EMPTY_PROOF
         for path, header in self.files.items():
             self._feed(path, 0, os.pread(self.fds[path], header.header_bytes, 0))
 
@@ -238,9 +287,47 @@ class SourceReader:
         position = self.positions[path]
         if position == offset:
             self.digests[path].update(data)
-            self.positions[path] += len(data)
+            self.positions[path] = end = position + len(data)
+            name = self.ends[path].get(end)
+            if name is not None:
+                proof = self.digests[path].hexdigest()
+                with self._proofs_lock:
+                    self._proofs[name] = proof
         elif position < 0 or offset + len(data) > position:
             self.positions[path] = -1  # a gap: hash the file separately
+
+    def take_proofs(self) -> dict[str, str]:
+        """The proofs of the tensors read whole, in order, since the last call (see the module docstring)."""
+        with self._proofs_lock:
+            proofs, self._proofs = self._proofs, {}
+        return proofs
+
+    def prove(self, kept: list[tuple[str, str | None]], check_stop: Callable[[], None] | None = None) -> int:
+        """How many of the leading `(tensor, journalled proof)` pairs (tensors in read order, from the start of
+        their files) the source proves unchanged: each kept tensor's bytes are read in order (carrying the file
+        hashes on) until one's proof differs, is missing, or cannot be taken in order. `check_stop` is called
+        between blocks, so a signal stops a long check.
+        """
+        buffer = bytearray(HASH_BLOCK)
+        for index, (name, recorded) in enumerate(kept):
+            entry = self.tensors[name]
+            if not entry.nbytes:
+                if recorded != EMPTY_PROOF:
+                    return index
+                continue
+            if recorded is None or self.positions[entry.path] != entry.start:
+                return index
+            for offset in range(entry.start, entry.end, HASH_BLOCK):
+                if check_stop is not None:
+                    check_stop()
+                view = memoryview(buffer)[: min(HASH_BLOCK, entry.end - offset)]
+                pread_into(self.fds[entry.path], offset, [view], entry.path.name)
+                self._feed(entry.path, offset, view)
+            with self._proofs_lock:
+                proof = self._proofs.get(name)
+            if proof != recorded:
+                return index
+        return len(kept)
 
     def file_hash(self, path: Path) -> str:
         if self.positions[path] == self.files[path].size:

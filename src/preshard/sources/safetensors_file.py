@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,8 @@ import torch
 
 from preshard.errors import SourceError
 from preshard.format.dtypes import SAFETENSORS_DTYPES
+from preshard.format.folder import open_regular
+from preshard.format.layout import fits_int64
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
@@ -67,9 +70,10 @@ def read_header(path: Path) -> SafetensorsHeader:
     path = Path(path)
     where = path.name
     try:
-        stat = path.stat()
+        fd = open_regular(path, where, SourceError, "pass a .safetensors file")  # a FIFO is refused, not waited on
+        stat = os.fstat(fd)
         size = stat.st_size
-        with open(path, "rb") as f:
+        with open(fd, "rb") as f:
             prefix = f.read(8)
             if len(prefix) < 8:
                 raise SourceError(
@@ -117,6 +121,22 @@ def parse_header(path: Path, size: int, raw: bytes, mtime_ns: int = 0) -> Safete
     return SafetensorsHeader(path, size, data_start, tensors, metadata, text, mtime_ns)
 
 
+def check_shape(shape: Any, dtype: torch.dtype, where: str) -> tuple[int, ...]:
+    """A header's shape: whole numbers >= 0 whose strides and byte size fit int64 (checked before anything is
+    allocated or iterated: a dimension of 2**63, even with no elements, is refused in one line).
+
+    Raises:
+        SourceError: naming `where` and the shape.
+    """
+    if not isinstance(shape, list) or not all(_is_int(s) and s >= 0 for s in shape):
+        raise SourceError(f"{where} has an invalid shape {shape!r}")
+    if not fits_int64(shape, dtype.itemsize):
+        raise SourceError(
+            f"{where} has shape {shape}, larger than a 64-bit size can hold; the file is corrupt or not safetensors"
+        )
+    return tuple(shape)
+
+
 def _entry(path: Path, name: str, info: Any, data_start: int, data_size: int) -> TensorEntry:
     where = f"{path.name}: tensor {name}"
     if not isinstance(info, dict) or not all(k in info for k in ("dtype", "shape", "data_offsets")):
@@ -125,8 +145,7 @@ def _entry(path: Path, name: str, info: Any, data_start: int, data_size: int) ->
     if dtype is None:
         raise SourceError(f"{where} has unsupported dtype {info['dtype']!r}")
     shape, offsets = info["shape"], info["data_offsets"]
-    if not isinstance(shape, list) or not all(_is_int(s) and s >= 0 for s in shape):
-        raise SourceError(f"{where} has an invalid shape {shape!r}")
+    check_shape(shape, dtype, where)
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets):
         raise SourceError(f"{where} has invalid data_offsets {offsets!r}")
     if not 0 <= offsets[0] <= offsets[1]:

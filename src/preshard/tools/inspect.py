@@ -6,12 +6,44 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from preshard.format.manifest import Manifest
-from preshard.units import human_bytes
+from preshard.format.manifest import MANIFEST_NAME, Manifest, read_manifest
+from preshard.units import human_bytes, plural
+
+
+def read_checkpoint_manifest(
+    checkpoint: str | Path,
+    *,
+    subfolder: str | None = None,
+    revision: str | None = None,
+    token: str | bool | None = None,
+) -> Manifest:
+    """The manifest of a converted checkpoint: a local folder, or a Hub repo id holding one (only its manifest.json
+    is downloaded, into the HF cache). A local path wins over a repo id of the same spelling.
+
+    Raises:
+        CheckpointNotFoundError: neither a local checkpoint nor a repo id. UsageError: --revision on a local path.
+        SourceError: the Hub repo, revision or manifest cannot be fetched. CorruptCheckpointError: a bad manifest.
+    """
+    from preshard.errors import UsageError
+
+    path = Path(checkpoint)
+    if subfolder and path.is_dir():
+        path = path / subfolder
+    if path.exists():
+        if revision is not None:
+            raise UsageError(f"--revision applies to Hub repos, but {checkpoint} is a local path; drop --revision")
+        return read_manifest(path)
+    from preshard.sources import hub
+
+    if isinstance(checkpoint, str) and hub.is_repo_id(checkpoint):
+        head = hub.download_files(checkpoint, [MANIFEST_NAME], revision=revision, token=token, subfolder=subfolder)
+        return read_manifest(head.folder)
+    return read_manifest(path)  # names the missing path
 
 
 def rank_read_bytes(manifest: Manifest, tp_rank: int) -> tuple[int, int]:
-    """(bytes of this TP rank's own slices, bytes of replicated tensors it also reads)."""
+    """(data bytes of this TP rank's own slices, data bytes of the replicated tensors it also reads); what it reads
+    at load, framing included, is `manifest.read_bytes(tp_rank)`."""
     own = shared = 0
     for chunks in manifest.chunks_for_tp_rank(tp_rank).values():
         for c in chunks:
@@ -26,12 +58,28 @@ def total_tensor_bytes(manifest: Manifest) -> int:
     return sum(c.data_length for t in manifest.tensors.values() for c in t.chunks)
 
 
-def summary_line(manifest: Manifest, output: str | Path) -> str:
+def summary_line(manifest: Manifest, output: str | Path, verb: str = "wrote") -> str:
     size = sum(f.size for f in manifest.files)
     return (
-        f"wrote {output}: {len(manifest.tensors)} tensors, {len(manifest.files)} data files, "
+        f"{verb} {output}: {plural(len(manifest.tensors), 'tensor')}, {plural(len(manifest.files), 'data file')}, "
         f"{human_bytes(size)}, mesh {manifest.mesh.describe()}, plan {manifest.plan.name}"
     )
+
+
+def outcome_line(manifest: Manifest, output: str | Path, outcome: Any) -> str:
+    """The line a conversion ends with: what it wrote, what a resume kept, or that it was already done."""
+    if outcome.status == "already converted":
+        return (
+            "already converted: " + summary_line(manifest, output, "nothing to do,")
+            + " (same source bytes, plan, mesh and dtype; --overwrite converts again)"
+        )  # fmt: skip
+    line = summary_line(manifest, output)
+    if outcome.status == "resumed":
+        line += (
+            f"; resumed: kept {plural(outcome.kept_tensors, 'tensor')} ({human_bytes(outcome.kept_bytes)}) "
+            "from the interrupted run, every record re-checked"
+        )
+    return line
 
 
 def provenance_line(manifest: Manifest) -> str:
@@ -41,11 +89,23 @@ def provenance_line(manifest: Manifest) -> str:
         where += f" @ {s.revision or 'default branch'} (commit {s.commit})"
     else:
         where = f"{s.kind} {s.path}"
-    line = f"{where} ({len(s.files)} files)"
+    line = f"{where} ({plural(len(s.files), 'file')})"
     if manifest.derived_from is not None:
         d = manifest.derived_from
         line += f"; {d.kind} of {d.checkpoint} (tp={d.mesh.get('tp')}, manifest digest {d.digest[:12]}...)"
     return line
+
+
+def lora_lines(manifest: Manifest) -> list[str]:
+    """One line per LoRA fused at conversion: the file, its scale and hash, and what it changed."""
+    lines = []
+    for lora in manifest.source.loras:
+        ranks = "/".join(str(r) for r in sorted({m.rank for m in lora.modules.values()}))
+        lines.append(
+            f"{lora.name} x {lora.scale:g} fused into {len(lora.modules)} Linear layers (rank {ranks}; xxh3_128 "
+            f"{lora.xxh3_128}; read by {lora.loader}{', keys converted' if lora.converted else ''})"
+        )
+    return lines
 
 
 def inspect_data(manifest: Manifest) -> dict[str, Any]:
@@ -59,7 +119,7 @@ def inspect_data(manifest: Manifest) -> dict[str, Any]:
                 "tp_rank": r,
                 "own_bytes": own,
                 "replicated_bytes": shared,
-                "read_bytes": own + shared,
+                "read_bytes_per_rank": manifest.read_bytes(r),
                 "ranks": [row["rank"] for row in manifest.rank_table() if row["coords"]["tp"] == r],
             }
         )
@@ -77,6 +137,7 @@ def inspect_data(manifest: Manifest) -> dict[str, Any]:
         "dtype": body["dtype"],
         "tensors": len(manifest.tensors),
         "tensor_bytes": total,
+        "read_bytes_per_rank": max(manifest.read_bytes(r) for r in range(manifest.tp)),
         "styles": dict(Counter(t.layout.style.name for t in manifest.tensors.values())),
         "files": [
             {"name": f.name, "tp_rank": i, "size": f.size, "xxh3_128": f.xxh3_128} for i, f in enumerate(manifest.files)
@@ -92,6 +153,7 @@ def inspect_table(manifest: Manifest) -> str:
     lines = [
         f"preshard checkpoint (manifest v2, preshard {manifest.preshard_version}, {manifest.created})",
         f"source:  {provenance_line(manifest)}",
+        *(f"lora:    {line}" for line in lora_lines(manifest)),
         f"plan:    {manifest.plan.name}  " + ", ".join(f"{n} {s}" for s, n in sorted(styles.items())),
         f"mesh:    {mesh.describe()}, world size {mesh.world_size}",
         f"tensors: {len(manifest.tensors)}, {human_bytes(total)}"
@@ -104,10 +166,11 @@ def inspect_table(manifest: Manifest) -> str:
     lines += ["", f"{'tp rank':>7} {'own slices':>12} {'replicated':>12} {'reads':>12} {'of total':>9}  ranks"]
     for r in range(mesh.tp):
         own, shared = rank_read_bytes(manifest, r)
+        reads = manifest.read_bytes(r)
         ranks = [row["rank"] for row in manifest.rank_table() if row["coords"]["tp"] == r]
-        share = (own + shared) / total if total else 0.0
+        share = reads / total if total else 0.0
         lines.append(
-            f"{r:>7} {human_bytes(own):>12} {human_bytes(shared):>12} {human_bytes(own + shared):>12} "
+            f"{r:>7} {human_bytes(own):>12} {human_bytes(shared):>12} {human_bytes(reads):>12} "
             f"{share:>8.1%}  {_ranges(ranks)}"
         )
     return "\n".join(lines)

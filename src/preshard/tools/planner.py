@@ -17,16 +17,12 @@ compiler's workspace (Neuron, XLA) come on top.
 from __future__ import annotations
 
 import math
-import os
 import shutil
-import tempfile
-import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
-import xxhash
 
 from preshard.errors import OutputError, PlanError, UsageError
 from preshard.format.dtypes import dtype_name, parse_cast
@@ -36,13 +32,12 @@ from preshard.format.plan import Plan, resolve_plan, valid_tp_degrees
 from preshard.plans.from_model import check_cp_plan
 from preshard.plans.registry import choose_plan
 from preshard.sources import CheckpointSource, HeaderSource, open_source_headers
-from preshard.units import human_bytes
+from preshard.tools.estimate import Estimate, Probe, Work, estimate, input_cached, probe, timed_check
+from preshard.units import human_bytes, plural
 
 GIB = 1 << 30
 # The recommended mesh leaves at least this share of each device's memory to what comes on top of the weights.
 HEADROOM = 0.2
-PROBE_BYTES = 64 << 20
-PROBE_BLOCK = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -52,7 +47,7 @@ class RankBytes:
     tp: int
     own: int  # bytes of this rank's slices of the sharded tensors
     replicated: int  # bytes of the tensors every rank holds whole
-    read: int  # bytes of the records the rank reads at load (framing included)
+    read: int  # bytes the rank reads at load (`ChunkRecord.load_bytes`: each record's framing header and data)
     file_sizes: tuple[int, ...]  # every data file, exact
 
     @property
@@ -119,9 +114,9 @@ def rank_bytes(layouts: dict[str, TensorLayout], order: list[str], tp: int) -> R
         for c in chunks:
             if c.owner is None:
                 for r in range(tp):
-                    reads[r] += c.framing.length
+                    reads[r] += c.load_bytes
             else:
-                reads[c.owner] += c.framing.length
+                reads[c.owner] += c.load_bytes
     return RankBytes(tp, own, replicated, max(reads), tuple(files.file_sizes))
 
 
@@ -269,9 +264,44 @@ def _recommend(meshes: list[MeshEstimate], memory: int | None, heads: int | None
     return best, why
 
 
-def plan_json(report: PlanReport) -> list[dict[str, Any]]:
-    """What `preshard plan --json` prints: one object per mesh."""
-    return [m.to_dict() for m in report.meshes]
+def smallest_fitting(report: PlanReport, device_memory_gib: float, headroom: float = HEADROOM) -> MeshEstimate | None:
+    """The mesh with the fewest TP ranks (CP 1) whose weights leave `headroom` of a `device_memory_gib` device free,
+    the bar the recommendation uses; None if no TP degree the plan allows gets there. CP ranks can be added to it:
+    they hold the same weights.
+
+    Raises:
+        UsageError: a device memory that is not a positive number, or a headroom outside [0, 1).
+    """
+    if not (isinstance(device_memory_gib, (int, float)) and device_memory_gib > 0):
+        raise UsageError(f"device memory must be a positive number of GiB, got {device_memory_gib!r}")
+    if not 0 <= headroom < 1:
+        raise UsageError(f"headroom must be a share in [0, 1), got {headroom!r}")
+    limit = (1 - headroom) * device_memory_gib * GIB
+    fitting = [m for m in report.meshes if m.ring * m.ulysses == 1 and m.weight_bytes_per_rank <= limit]
+    return min(fitting, key=lambda m: m.tp, default=None)
+
+
+def plan_json(report: PlanReport) -> dict[str, Any]:
+    """What `preshard plan --json` prints: the source and plan, every mesh's figures, the recommended one."""
+    return {
+        "source": report.source,
+        "plan": report.plan,
+        "tensors": report.tensors,
+        "stored_bytes": report.stored_bytes,
+        "dtype": report.dtype,
+        "devices": report.devices,
+        "device_memory_bytes": report.device_memory,
+        "tp_degrees": list(report.tp_degrees),
+        "meshes": [m.to_dict() for m in report.meshes],
+        "recommended": None if report.recommended is None else report.recommended.to_dict(),
+        "reason": report.reason,
+        "no_cp": report.no_cp,
+    }
+
+
+def _memory(n: int) -> str:
+    """Device memory as given: '24 GiB', '0.5 GiB'; under 0.01 GiB in MiB/KiB (no 0.000999999 GiB)."""
+    return f"{n / GIB:.2f}".rstrip("0").rstrip(".") + " GiB" if n >= GIB // 100 else human_bytes(n)
 
 
 def plan_table(report: PlanReport) -> str:
@@ -286,7 +316,7 @@ def plan_table(report: PlanReport) -> str:
         + (f"; devices: {report.devices}" if report.devices else "")
         + (f" x {memory / GIB:g} GiB" if memory else "")
     )
-    fits_title = f"fits {memory / GIB:g} GiB" if memory else "fits"
+    fits_title = f"fits {_memory(memory)}" if memory else "fits"
     rows = [
         ("", "tp", "ring x ulysses", "weights/rank", "replicated", "reads/rank", "disk", fits_title),
     ]
@@ -348,34 +378,6 @@ def plan_table(report: PlanReport) -> str:
 # convert-checkpoint --dry-run
 
 
-@dataclass(frozen=True)
-class Probe:
-    """A short measurement of this machine: read the source, write+fsync next to the output, hash."""
-
-    read_bytes: int = 0
-    read_seconds: float = 0.0
-    write_bytes: int = 0
-    write_seconds: float = 0.0
-    hash_bytes: int = 0
-    hash_seconds: float = 0.0
-
-    @staticmethod
-    def _rate(n: int, s: float) -> float | None:
-        return n / s if n and s > 0 else None
-
-    @property
-    def read_rate(self) -> float | None:
-        return self._rate(self.read_bytes, self.read_seconds)
-
-    @property
-    def write_rate(self) -> float | None:
-        return self._rate(self.write_bytes, self.write_seconds)
-
-    @property
-    def hash_rate(self) -> float | None:
-        return self._rate(self.hash_bytes, self.hash_seconds)
-
-
 @dataclass
 class DryRun:
     """What a conversion would do, decided and measured without writing it."""
@@ -392,65 +394,9 @@ class DryRun:
     needed_bytes: int  # data files + config.json + allowance for manifest and .metadata
     free_bytes: int
     space_error: str | None
-    probe: Probe
-    estimate_seconds: float | None
+    estimate: Estimate | None
     notes: list[str] = field(default_factory=list)
-
-
-def probe_io(source_files: list[Path], data_start: int, folder: Path, nbytes: int = PROBE_BYTES) -> Probe:
-    """Time a read of up to `nbytes` of the largest source file, an xxh3 pass over it, and a write+fsync of as
-    much into a temporary file in `folder` (removed again). Nothing is left behind.
-
-    `data_start` is where that file's tensor data begin (its header is skipped)."""
-    buffer = bytearray()
-    read_s = 0.0
-    if source_files:
-        path = max(source_files, key=lambda p: p.stat().st_size)
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            want = max(0, min(nbytes, os.fstat(fd).st_size - data_start))
-            start = time.perf_counter()
-            offset = data_start
-            while len(buffer) < want:
-                block = os.pread(fd, min(PROBE_BLOCK, want - len(buffer)), offset)
-                if not block:
-                    break
-                buffer += block
-                offset += len(block)
-            read_s = time.perf_counter() - start
-        finally:
-            os.close(fd)
-    data = bytes(buffer) if 2 * len(buffer) >= nbytes else os.urandom(nbytes)  # a tiny source: random bytes
-    start = time.perf_counter()
-    xxhash.xxh3_128(data).hexdigest()
-    hash_s = time.perf_counter() - start
-    write_bytes, write_s = 0, 0.0
-    if shutil.disk_usage(folder).free > 4 * len(data):
-        fd, name = tempfile.mkstemp(prefix=".preshard-probe-", dir=folder)
-        try:
-            start = time.perf_counter()
-            view = memoryview(data)
-            for i in range(0, len(view), PROBE_BLOCK):
-                os.write(fd, view[i : i + PROBE_BLOCK])
-            os.fsync(fd)
-            write_s = time.perf_counter() - start
-            write_bytes = len(data)
-        finally:
-            os.close(fd)
-            os.unlink(name)
-    return Probe(len(buffer), read_s, write_bytes, write_s, len(data), hash_s)
-
-
-def estimate_seconds(source_bytes: int, output_bytes: int, probe: Probe, hub: bool) -> float | None:
-    """Read the source once, write the output once, hash both (the converter records xxh3 of each)."""
-    if probe.write_rate is None or probe.hash_rate is None:
-        return None
-    seconds = output_bytes / probe.write_rate + (source_bytes + output_bytes) / probe.hash_rate
-    if not hub:
-        if probe.read_rate is None:
-            return None
-        seconds += source_bytes / probe.read_rate
-    return seconds
+    loras: list[dict[str, Any]] = field(default_factory=list)  # --lora: one entry per LoRA (`LoraSet.summary`)
 
 
 def dry_run(
@@ -465,10 +411,13 @@ def dry_run(
     token: str | bool | None = None,
     overwrite: bool = False,
     probe: bool = True,
+    loras: Any = None,
+    start_seconds: float = 0.0,
 ) -> DryRun:
     """Everything a conversion decides before writing, the space it needs and a time estimate; writes nothing.
 
     A Hub source is read by its headers (no weights downloaded); the estimate then excludes the download.
+    `start_seconds`: what the conversion's own process pays before planning (the CLI passes its own age).
 
     Raises:
         SourceError, PlanError, UsageError: as the conversion would. OutputError: an output the conversion would
@@ -476,29 +425,24 @@ def dry_run(
             not raised: it is in `space_error`, so the report can still be shown.
     """
     from preshard.converter.convert import plan_conversion, space_needed
-    from preshard.converter.workdir import check_output, check_space, partial_dir
+    from preshard.converter.workdir import check_output
 
     src = open_source_headers(source, subfolder=subfolder, revision=revision, token=token)
-    job = plan_conversion(src, mesh=mesh, plan=plan, dtype=dtype)
+    job, check_s = timed_check(plan_conversion, src, mesh=mesh, plan=plan, dtype=dtype, loras=loras, token=token)
     output = Path(output)
-    check_output(output, src.input_paths(), overwrite)
+    check_output(output, job.source.input_paths(), overwrite)
     per_rank = rank_bytes(job.layouts, job.write_order, mesh.tp)
     needed = space_needed(job)
-    free = shutil.disk_usage(output.parent).free
-    space_error = None
-    try:
-        check_space(output, partial_dir(output), needed)
-    except OutputError as exc:
-        space_error = str(exc)
+    free, space_error = _space(output, needed)
     hub = isinstance(src, HeaderSource)
     source_bytes = sum(layout.shape_bytes(source=True) for layout in job.layouts.values())
     notes = []
-    measured = Probe()
+    measured = None
     if probe:
-        files = [] if hub else [h.path for h in src.files]
-        start = 0 if hub else max(src.files, key=lambda h: h.path.stat().st_size).header_bytes
-        size = min(PROBE_BYTES, max(PROBE_BLOCK, job.output_bytes))  # a small conversion needs no 64 MiB probe
-        measured = probe_io(files, start, output.parent, size)
+        paths = [] if hub else [h.path for h in src.files]
+        work = Work.conversion(source_bytes, input_cached(paths), job.output_bytes)
+        rates = _probe(paths, output, space_error)
+        measured = estimate(work, rates, start_seconds=start_seconds, check_seconds=check_s)
     if hub:
         from huggingface_hub import constants
 
@@ -521,10 +465,27 @@ def dry_run(
         needed_bytes=needed,
         free_bytes=free,
         space_error=space_error,
-        probe=measured,
-        estimate_seconds=estimate_seconds(source_bytes, job.output_bytes, measured, hub),
+        estimate=measured,
         notes=notes,
+        loras=job.source.loras.summary() if hasattr(job.source, "loras") else [],
     )
+
+
+def _space(output: Path, needed: int) -> tuple[int, str | None]:
+    from preshard.converter.workdir import check_space, partial_dir
+
+    free = shutil.disk_usage(output.parent).free
+    try:
+        check_space(output, partial_dir(output), needed)
+    except OutputError as exc:
+        return free, str(exc)
+    return free, None
+
+
+def _probe(inputs: list[Path], output: Path, space_error: str | None) -> Probe:
+    """The rates, probing the largest input file; the write probe is skipped on a file system without the space."""
+    largest = max(inputs, key=lambda p: p.stat().st_size) if inputs else None
+    return probe(largest, None if space_error else output.parent)
 
 
 def _existing(path: Path) -> Path:
@@ -533,24 +494,12 @@ def _existing(path: Path) -> Path:
     return path
 
 
-def human_seconds(seconds: float) -> str:
-    if seconds < 60:
-        return f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.1f} s"
-    minutes, secs = divmod(round(seconds), 60)
-    if minutes < 60:
-        return f"{minutes} min {secs} s"
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours} h {minutes} min"
-
-
-def _rate(rate: float | None) -> str:
-    return f"{human_bytes(rate)}/s" if rate else "not measured"
-
-
 def dry_run_json(run: DryRun) -> dict[str, Any]:
     """What `convert-checkpoint --dry-run --json` prints: the same figures as the text, in bytes and seconds."""
-    r, p = run.per_rank, run.probe
+    r = run.per_rank
     return {
+        "command": "convert",
+        "status": "dry run",
         "source": run.source,
         "hub": run.hub,
         "plan": run.plan,
@@ -569,40 +518,199 @@ def dry_run_json(run: DryRun) -> dict[str, Any]:
         "free_bytes": run.free_bytes,
         "fits_disk": run.space_error is None,
         "space_error": run.space_error,
-        "probe_bytes_per_second": {"read": p.read_rate, "write_fsync": p.write_rate, "xxh3": p.hash_rate},
-        "estimate_seconds_at_least": run.estimate_seconds,
+        "estimate_seconds": None if run.estimate is None else round(run.estimate.seconds, 3),
+        "estimate": None if run.estimate is None else run.estimate.to_dict(),
         "notes": list(run.notes),
+        "loras": [dict(lora) for lora in run.loras],
     }
 
 
 def dry_run_text(run: DryRun) -> str:
     """The human view of a dry run."""
     r, mesh = run.per_rank, run.mesh
-    p = run.probe
     lines = [
         "dry run: nothing was written",
-        f"source:    {run.source}, {run.tensors} tensors, {human_bytes(run.source_bytes)}"
+        f"source:    {run.source}, {plural(run.tensors, 'tensor')}, {human_bytes(run.source_bytes)}"
         + (" (headers only; nothing downloaded)" if run.hub else ""),
         f"plan:      {run.plan}" + (f", cast to {run.dtype}" if run.dtype else ""),
         f"mesh:      {mesh.describe()}, world size {mesh.world_size}",
         f"per rank:  {human_bytes(r.weights)} of weights ({human_bytes(r.own)} own slices + "
         f"{human_bytes(r.replicated)} replicated); reads {human_bytes(r.read)} at load",
-        f"output:    {mesh.tp} data files, {human_bytes(r.disk)} (largest {human_bytes(max(r.file_sizes))}) + "
-        "manifest.json, .metadata, config.json",
-        f"space:     needs {human_bytes(run.needed_bytes)} on the file system of {run.output.parent}, "
-        f"{human_bytes(run.free_bytes)} free -> " + ("NOT ENOUGH" if run.space_error else "ok"),
+        f"output:    {plural(mesh.tp, 'data file')}, {human_bytes(r.disk)} "
+        f"(largest {human_bytes(max(r.file_sizes))}) + manifest.json, .metadata, config.json",
+        _space_line(run.needed_bytes, run.output, run.free_bytes, run.space_error),
+        _time_line(run.estimate, run.hub),
     ]
-    probe = (
-        f"read {_rate(p.read_rate)}" + ("" if not run.hub else " (Hub: not probed)")
-        + f", write+fsync {_rate(p.write_rate)}, xxh3 {_rate(p.hash_rate)}"
-    )  # fmt: skip
-    if run.estimate_seconds is not None:
-        lines.append(
-            f"time:      at least {human_seconds(run.estimate_seconds)}: the source read once, the output written "
-            f"once, both hashed, at the rates of {human_bytes(p.hash_bytes)} probes just now ({probe}); a sustained "
-            "write is often slower than a short burst" + ("; the download comes on top" if run.hub else "")
+    lines[3:3] = [
+        f"lora:      {lora['path']} x {lora['scale']:g}, fused into {lora['modules']} Linear layers (rank "
+        f"{'/'.join(map(str, lora['ranks']))}, {human_bytes(lora['bytes'])}), read by {lora['loader']}"
+        + (" (keys converted)" if lora["converted"] else "")
+        for lora in run.loras
+    ]
+    lines += [f"note:      {note}" for note in run.notes]
+    return "\n".join(lines)
+
+
+def _space_line(needed: int, output: Path, free: int, error: str | None) -> str:
+    return (
+        f"space:     needs {human_bytes(needed)} on the file system of {output.parent}, {human_bytes(free)} free -> "
+        + ("NOT ENOUGH" if error else "ok")
+    )
+
+
+def _time_line(measured: Estimate | None, hub: bool = False) -> str:
+    if measured is None:
+        return "time:      not estimated"
+    return f"time:      {measured.describe()}" + ("; the download comes on top" if hub else "")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# reshard --dry-run, unshard --dry-run
+
+
+@dataclass
+class WriteDryRun:
+    """What a reshard or unshard would write, decided and measured without writing it."""
+
+    command: str  # "reshard" | "unshard"
+    input: str
+    output: Path
+    mesh: MeshSpec | None  # reshard: the new mesh
+    files: list[tuple[str, int]]  # every file it writes (name, exact size); links are not listed
+    linked: bool  # reshard with the same TP degree: the data files are hard-linked, not written
+    needed_bytes: int
+    free_bytes: int
+    space_error: str | None
+    estimate: Estimate | None
+    notes: list[str] = field(default_factory=list)
+
+
+def reshard_dry_run(
+    checkpoint: str | Path,
+    output: str | Path,
+    *,
+    tp: int | None = None,
+    cp: int | None = None,
+    ring: int | None = None,
+    ulysses: int | None = None,
+    order: str | tuple[str, ...] | None = None,
+    subfolder: str | None = None,
+    revision: str | None = None,
+    token: str | bool | None = None,
+    overwrite: bool = False,
+    start_seconds: float = 0.0,
+) -> WriteDryRun:
+    """What `reshard_checkpoint` would do: the new mesh checked against the plan (the degrees that work are named
+    otherwise), the output checked, the files it writes, the space and a time estimate; nothing is written.
+
+    Raises:
+        As `reshard_checkpoint`, before writing (too little space is in `space_error`).
+    """
+    from preshard.converter.convert import plan_conversion, resolve_mesh, space_needed
+    from preshard.converter.workdir import check_output
+    from preshard.sources.presharded import open_presharded
+
+    source = open_presharded(checkpoint, subfolder=subfolder, revision=revision, token=token)
+    manifest = source.manifest
+    mesh = resolve_mesh(None, tp, cp, ring, ulysses, order, default=manifest.mesh)
+    output = Path(output)
+    inputs = [source.folder / f.name for f in manifest.files]
+    input_bytes = sum(f.size for f in manifest.files)
+    if mesh.tp == manifest.tp:
+        if manifest.mesh.cp == 1:
+            check_cp_plan(manifest.plan, source.config, mesh.cp)
+        check_output(output, source.input_paths(), overwrite)
+        needed = 1 << 20  # a manifest; the data files are linked (copied where the file system cannot link)
+        free, space_error = _space(output, needed)
+        measured = estimate(Work(0, 0, 0, 0, 0), probe(None, None), start_seconds=start_seconds)
+        notes = [f"the same TP degree: the data files ({human_bytes(input_bytes)}) are hard-linked, not written"]
+        return WriteDryRun(
+            "reshard", str(checkpoint), output, mesh, [], True, needed, free, space_error, measured, notes
         )
-    else:
-        lines.append(f"time:      no estimate ({probe})")
+    job, check_s = timed_check(plan_conversion, source, mesh=mesh, plan=manifest.plan, dtype=manifest.dtype)
+    check_output(output, source.input_paths(), overwrite)
+    needed = space_needed(job)
+    free, space_error = _space(output, needed)
+    files = [(name, size) for name, size in zip(_file_names(mesh.tp), job.files.file_sizes)]
+    work = Work.conversion(input_bytes, input_cached(inputs), job.output_bytes)
+    measured = estimate(work, _probe(inputs, output, space_error), start_seconds=start_seconds, check_seconds=check_s)
+    return WriteDryRun("reshard", str(checkpoint), output, mesh, files, False, needed, free, space_error, measured)
+
+
+def unshard_dry_run(
+    checkpoint: str | Path,
+    output: str | Path,
+    *,
+    subfolder: str | None = None,
+    revision: str | None = None,
+    token: str | bool | None = None,
+    overwrite: bool = False,
+    start_seconds: float = 0.0,
+) -> WriteDryRun:
+    """What `unshard_checkpoint` would write (the source's files, exact sizes), the space and a time estimate.
+
+    Raises:
+        As `unshard_checkpoint`, before writing (a lossy cast is refused; too little space is in `space_error`).
+    """
+    from preshard.converter.workdir import SAFETENSORS_FOLDER, check_output
+    from preshard.sources.presharded import open_presharded
+    from preshard.tools.unshard import refuse_fused_loras, refuse_lossy_cast, small_files
+
+    source = open_presharded(checkpoint, subfolder=subfolder, revision=revision, token=token)
+    refuse_lossy_cast(source)
+    refuse_fused_loras(source)
+    manifest = source.manifest
+    extra = [(name, len(data)) for name, data in small_files(source, source.source_headers()).items()]
+    output = Path(output)
+    check_output(output, source.input_paths(), overwrite, kind=SAFETENSORS_FOLDER)
+    files = [(f.name, f.size) for f in manifest.source.files]
+    out_bytes = sum(size for _, size in files)
+    needed = out_bytes + sum(size for _, size in extra) + (1 << 20)
+    free, space_error = _space(output, needed)
+    inputs = [source.folder / f.name for f in manifest.files]
+    work = Work.unshard(sum(f.size for f in manifest.files), input_cached(inputs), out_bytes)
+    measured = estimate(work, _probe(inputs, output, space_error), start_seconds=start_seconds)
+    return WriteDryRun(
+        "unshard", str(checkpoint), output, None, files + extra, False, needed, free, space_error, measured
+    )
+
+
+def _file_names(tp: int) -> list[str]:
+    from preshard.format.layout import data_file_name
+
+    return [data_file_name(r) for r in range(tp)]
+
+
+def write_dry_run_json(run: WriteDryRun) -> dict[str, Any]:
+    """What `reshard/unshard --dry-run --json` prints."""
+    return {
+        "command": run.command,
+        "status": "dry run",
+        "input": run.input,
+        "output": str(run.output),
+        "mesh": None if run.mesh is None else run.mesh.to_dict() | {"world_size": run.mesh.world_size},
+        "linked": run.linked,
+        "files": [{"name": n, "size": s} for n, s in run.files],
+        "output_bytes": sum(s for _, s in run.files),
+        "needed_bytes": run.needed_bytes,
+        "free_bytes": run.free_bytes,
+        "fits_disk": run.space_error is None,
+        "space_error": run.space_error,
+        "estimate_seconds": None if run.estimate is None else round(run.estimate.seconds, 3),
+        "estimate": None if run.estimate is None else run.estimate.to_dict(),
+        "notes": list(run.notes),
+    }
+
+
+def write_dry_run_text(run: WriteDryRun) -> str:
+    written = sum(s for _, s in run.files)
+    lines = [f"dry run: nothing was written ({run.command} {run.input} -> {run.output})"]
+    if run.mesh is not None:
+        lines.append(f"mesh:      {run.mesh.describe()}, world size {run.mesh.world_size}")
+    lines.append(
+        f"output:    {plural(len(run.files), 'file')}, {human_bytes(written)}"
+        + (" + manifest.json (the data files linked)" if run.linked else "")
+    )
+    lines += [_space_line(run.needed_bytes, run.output, run.free_bytes, run.space_error), _time_line(run.estimate)]
     lines += [f"note:      {note}" for note in run.notes]
     return "\n".join(lines)

@@ -12,6 +12,12 @@ A CP-only change (same TP degree) changes no weight: the data files, `.metadata`
 hard-linked where the file system allows (else copied) and only the manifest is written anew, for the new
 mesh. Hard links share the input's bytes: preshard never modifies a file in place (a conversion into an
 existing folder writes new files and swaps the folder), so neither checkpoint can change the other.
+What is linked or copied is the file itself, never a symbolic link: a Hub checkpoint's snapshot folder is
+made of links into the HF cache (relative ones, which would not resolve from the output), so each is
+resolved first, within the input folder or the cache (`preshard.format.folder`), and the output stands on
+its own when the cache is removed. `config.json` is linked only once it matches the manifest's record of it,
+`.metadata` once it matches its record (an input written before manifests recorded it gets a `.metadata`
+written afresh from the manifest, and the output records it).
 """
 
 from __future__ import annotations
@@ -22,10 +28,12 @@ import shutil
 from pathlib import Path
 
 from preshard.converter.convert import plan_conversion, resolve_mesh, write_conversion
+from preshard.converter.parallel import run_workers
 from preshard.converter.workdir import commit, fresh_workdir
-from preshard.errors import OutputError
+from preshard.errors import CorruptCheckpointError, OutputError, UsageError
+from preshard.format.dcp_metadata import write_dcp_metadata
 from preshard.format.jsonio import fsync_file, write_json_atomic
-from preshard.format.manifest import DCP_METADATA_NAME, MANIFEST_NAME, Manifest, created_now
+from preshard.format.manifest import DCP_METADATA_NAME, MANIFEST_NAME, FileRecord, Manifest, created_now
 from preshard.format.mesh import MeshSpec
 from preshard.plans.from_model import check_cp_plan
 from preshard.sources.presharded import PreshardedSource, open_presharded
@@ -51,6 +59,7 @@ def reshard_checkpoint(
     overwrite: bool = False,
     wait: bool = False,
     progress: bool | None = None,
+    workers: int = 1,
 ) -> Manifest:
     """Write `input` (a converted checkpoint) resharded for another mesh into `output`; the source is not needed.
 
@@ -63,6 +72,8 @@ def reshard_checkpoint(
         overwrite: replace an existing `output` if it is what this command writes (any other folder is refused).
         wait: wait for another conversion into `output` to finish instead of failing at once.
         progress: show progress (default: when stderr is a terminal).
+        workers: local processes writing the new data files (at most the new TP degree), as for
+            `convert_checkpoint`; the output is the same byte for byte. A CP-only change writes no data: ignored.
 
     Returns:
         The manifest written to `output/manifest.json` (with `derived_from` naming `input`).
@@ -74,6 +85,13 @@ def reshard_checkpoint(
     """
     source = open_presharded(input, subfolder=subfolder, revision=revision, token=token)
     new_mesh = resolve_mesh(mesh, tp, cp, ring, ulysses, order, default=source.manifest.mesh)
+    if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers:
+        raise UsageError(f"workers must be a positive integer, not {workers!r}")
+    if workers > new_mesh.tp:
+        raise UsageError(
+            f"--workers {workers} is more than --tp {new_mesh.tp}: each worker writes whole data files, one per TP "
+            f"rank; use --workers {new_mesh.tp} or fewer"
+        )
     output = Path(output)
     if new_mesh.tp == source.manifest.tp:
         # The data stay; only the CP layout can be new, and it needs a CP plan somewhere (the plan's or the class's):
@@ -82,6 +100,10 @@ def reshard_checkpoint(
             check_cp_plan(source.manifest.plan, source.config, new_mesh.cp)
         return _relink(source, output, new_mesh, overwrite=overwrite, wait=wait)
     job = plan_conversion(source, mesh=new_mesh, plan=source.manifest.plan, dtype=source.manifest.dtype)
+    if workers > 1:
+        return run_workers(
+            write_conversion, job, output, workers=workers, overwrite=overwrite, wait=wait, progress=progress
+        )
     return write_conversion(job, output, overwrite=overwrite, wait=wait, progress=progress)
 
 
@@ -90,35 +112,61 @@ def _relink(source: PreshardedSource, output: Path, mesh: MeshSpec, *, overwrite
     from preshard import __version__
 
     manifest = source.manifest
-    names = [f.name for f in manifest.files] + [DCP_METADATA_NAME]
+    names = [f.name for f in manifest.files]
+    metadata = manifest.metadata
+    if metadata is not None:
+        _check_metadata(source)
+        names.append(DCP_METADATA_NAME)
     if manifest.config is not None:
-        names.append(manifest.config.name)
+        names.append(manifest.config.name)  # matched its record when the source was opened
     with fresh_workdir(output, source.input_paths(), overwrite=overwrite, wait=wait) as (work, stop):
         identity = source.identity()
         linking = True
         for i, name in enumerate(names):
+            real = source.files.resolve(name)  # the file itself: a link in the input may not resolve from the output
             if linking:
-                linking = _link(source.folder / name, work / name)
+                linking = _link(real, work / name)
                 if not linking:  # this file system cannot link them: copy all that is left, if it fits
-                    _check_free(output, sum((source.folder / n).stat().st_size for n in names[i:]))
+                    _check_free(output, sum(source.files.size(n) for n in names[i:]))
             if not linking:
-                shutil.copyfile(source.folder / name, work / name)
+                shutil.copyfile(real, work / name, follow_symlinks=False)
                 fsync_file(work / name)
             stop.check()
+        if metadata is None:  # an input from before manifests recorded .metadata: written afresh, and recorded
+            metadata = FileRecord.of(DCP_METADATA_NAME, write_dcp_metadata(work, manifest))
         source.check_unchanged(identity)
         new = manifest.with_mesh(
-            mesh, derived_from=source.derived_from, preshard_version=__version__, created=created_now()
-        )
+            mesh, derived_from=source.derived_from, preshard_version=__version__, created=created_now(),
+            metadata=metadata,
+        )  # fmt: skip
         write_json_atomic(work / MANIFEST_NAME, new.to_dict())
         stop.check()
         commit(work, output)
     return new
 
 
-def _link(src: Path, dst: Path) -> bool:
-    """Hard-link `src` (following a symlink, as in a Hub cache) to `dst`; False where this file system cannot."""
+def _check_metadata(source: PreshardedSource) -> None:
+    """The input's `.metadata` matches the manifest's record of it (read inside the input folder).
+
+    Raises:
+        CorruptCheckpointError: it is missing, out of bounds, not a regular file, or differs.
+    """
+    record = source.manifest.metadata
     try:
-        os.link(src, dst, follow_symlinks=True)
+        raw = source.files.read_bytes(DCP_METADATA_NAME, limit=record.size + 1)
+    except FileNotFoundError:
+        raw = None
+    if raw is None or not record.matches(raw):
+        raise CorruptCheckpointError(
+            f"{source.given}: {DCP_METADATA_NAME} is missing or differs from the one written with the checkpoint; "
+            "restore it, or convert again"
+        )
+
+
+def _link(src: Path, dst: Path) -> bool:
+    """Hard-link the file `src` (a resolved path, never a symlink) to `dst`; False where this file system cannot."""
+    try:
+        os.link(src, dst, follow_symlinks=False)
         return True
     except OSError as exc:
         if exc.errno in _NO_LINK:

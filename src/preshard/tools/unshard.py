@@ -42,6 +42,7 @@ from preshard.format.jsonio import fsync_dir
 from preshard.progress import Progress
 from preshard.sources.presharded import PreshardedRows, PreshardedSource, open_presharded
 from preshard.sources.safetensors_file import SafetensorsHeader
+from preshard.units import plural
 
 FILE_THREADS = 4  # files rebuilt at once
 BAND_BYTES = 16 << 20  # rows assembled at a time; each file holds READ_AHEAD + 1 bands
@@ -81,9 +82,10 @@ def unshard_checkpoint(
         OutputError, SourceError, Interrupted: as `convert_checkpoint`.
     """
     source = open_presharded(input, subfolder=subfolder, revision=revision, token=token)
-    _refuse_lossy_cast(source)
+    refuse_lossy_cast(source)
+    refuse_fused_loras(source)
     headers = source.source_headers()
-    plan = _output_files(source, headers)
+    plan = small_files(source, headers)
     output = Path(output)
     needed = sum(f.size for f in source.manifest.source.files) + sum(len(b) for b in plan.values()) + (1 << 20)
     kind = SAFETENSORS_FOLDER  # --overwrite replaces only a folder of safetensors files
@@ -106,7 +108,19 @@ def unshard_checkpoint(
     return [output / f.name for f in source.manifest.source.files] + [output / name for name in plan]
 
 
-def _refuse_lossy_cast(source: PreshardedSource) -> None:
+def refuse_fused_loras(source: PreshardedSource) -> None:
+    """Raises UsageError when `source` has LoRAs fused into its weights (the source cannot be rebuilt)."""
+    loras = source.manifest.source.loras
+    if loras:
+        raise UsageError(
+            f"{source.given} was converted with {plural(len(loras), 'LoRA')} fused (--lora {loras[0].name}), "
+            f"which changed {plural(len(source.manifest.source.lora_tensors()), 'tensor')}; the source cannot be "
+            "rebuilt bit for bit: use the original checkpoint, or a conversion made without --lora"
+        )
+
+
+def refuse_lossy_cast(source: PreshardedSource) -> None:
+    """Raises UsageError when `source` was converted with a --dtype that lost precision (no bit-for-bit rebuild)."""
     lossy = [
         r.layout
         for r in source.manifest.tensors.values()
@@ -116,13 +130,13 @@ def _refuse_lossy_cast(source: PreshardedSource) -> None:
         first = sorted(lossy, key=lambda layout: layout.name)[0]
         raise UsageError(
             f"{source.given} was converted with --dtype {dtype_name(source.manifest.dtype)}, which lost precision in "
-            f"{len(lossy)} tensors (e.g. {first.name}: {dtype_name(first.source_dtype)} stored as "
+            f"{plural(len(lossy), 'tensor')} (e.g. {first.name}: {dtype_name(first.source_dtype)} stored as "
             f"{dtype_name(first.dtype)}); the source cannot be rebuilt bit for bit: use the original checkpoint, "
             "or a conversion made without a narrowing --dtype"
         )
 
 
-def _output_files(source: PreshardedSource, headers: list[SafetensorsHeader]) -> dict[str, bytes]:
+def small_files(source: PreshardedSource, headers: list[SafetensorsHeader]) -> dict[str, bytes]:
     """The small files besides the weights (index, config.json), after checking the recorded source fits the chunks.
 
     Raises:

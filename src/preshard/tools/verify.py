@@ -4,11 +4,14 @@ What is checked, each failure one line naming the file and, where there is one, 
 
 - the manifest parses: its digest, and every fact re-derived from the others (layout coverage, chunk
   ownership, record tiling, styles against the embedded plan; see `preshard.format.manifest`);
+- every file is read inside the checkpoint folder, and only if it is a regular file
+  (`preshard.format.folder`): a link out of the folder or a FIFO is a problem line, never followed or waited on;
 - every data file is present, of the recorded size and whole-file xxh3_128; in the same single pass,
   every chunk's bytes match its xxh3_64 and every record's torch.save framing (header and trailer) is
   byte for byte what the chunk's dtype and shape give, so damage torch's own `dcp.load` would trip on
   is found and named too;
-- `.metadata` unpickles with torch's DCP classes only (verify never runs code from the checkpoint) and
+- `.metadata` has the size and hash the manifest records (manifests written before that record: not
+  checked), unpickles with torch's DCP classes only (verify never runs code from the checkpoint) and
   describes the same chunks at the same byte ranges;
 - `config.json` has the recorded size and hash;
 - with a source: its files have the recorded sizes and hashes, and every tensor equals the source bit
@@ -30,9 +33,10 @@ from pathlib import Path
 import torch
 import xxhash
 
-from preshard.errors import CorruptCheckpointError, PreshardError
+from preshard.errors import CheckpointNotFoundError, CorruptCheckpointError, UsageError
 from preshard.format.dcp_metadata import dcp_metadata_problems
 from preshard.format.fileio import byte_view, pread_into
+from preshard.format.folder import CheckpointFolder, read_fd
 from preshard.format.layout import ChunkRecord
 from preshard.format.manifest import (
     DCP_METADATA_NAME,
@@ -44,10 +48,15 @@ from preshard.format.manifest import (
 )
 from preshard.format.slicing import BufferPool, tensor_pieces
 from preshard.progress import Progress
-from preshard.units import human_bytes
+from preshard.units import human_bytes, plural
 
 SCAN_BLOCK = 8 << 20
 MAX_SHOWN = 20
+# What to do about any problem verify finds: the checkpoint's files no longer are what was converted.
+FIX = (
+    "copy the checkpoint folder again from a good copy (a Hub repo: delete the damaged files from the HF cache), or "
+    "convert the source again with --overwrite"
+)
 
 
 @dataclass
@@ -64,6 +73,7 @@ class VerifyResult:
     source: str | None = None
     source_files: int = 0
     source_tensors: int = 0  # tensors compared with the source bit for bit and found equal
+    lora_tensors: int = 0  # tensors a LoRA fused at conversion changed: not compared with the source
 
     @property
     def ok(self) -> bool:
@@ -78,14 +88,16 @@ class VerifyResult:
 
     def summary(self) -> str:
         what = (
-            f"{self.tensors} tensors, {self.chunks} chunks, {self.files} data files "
+            f"{plural(self.tensors, 'tensor')}, {plural(self.chunks, 'chunk')}, {plural(self.files, 'data file')} "
             f"({human_bytes(self.bytes_hashed)} hashed)"
         )
         if self.source is not None:
-            what += f"; {self.source_tensors} tensors equal to the source bit for bit"
+            what += f"; {plural(self.source_tensors, 'tensor')} equal to the source bit for bit"
+            if self.lora_tensors:
+                what += f" ({self.lora_tensors} changed by the LoRAs fused at conversion, not compared)"
         if self.ok:
             return f"OK {self.checkpoint}: {what}"
-        return f"FAILED {self.checkpoint}: {len(self.problems)} problems; checked {what}"
+        return f"FAILED {self.checkpoint}: {plural(len(self.problems), 'problem')}; checked {what}; {FIX}"
 
     def report_lines(self, limit: int = MAX_SHOWN) -> list[str]:
         lines = list(self.problems[:limit])
@@ -99,6 +111,8 @@ class VerifyResult:
             "damaged_tensors": list(self.damaged_tensors), "files": self.files, "bytes_hashed": self.bytes_hashed,
             "tensors": self.tensors, "chunks": self.chunks, "source": self.source,
             "source_files": self.source_files, "source_tensors": self.source_tensors,
+            "lora_tensors": self.lora_tensors,
+            "fix": None if self.ok else FIX,
         }  # fmt: skip
 
 
@@ -128,9 +142,9 @@ def verify_checkpoint(
     """
     path = Path(checkpoint)
     if not path.exists():
-        raise PreshardError(f"checkpoint {path} does not exist; pass the folder convert-checkpoint wrote")
+        raise CheckpointNotFoundError(f"checkpoint {path} does not exist; pass the folder convert-checkpoint wrote")
     if not path.is_dir():
-        raise PreshardError(f"checkpoint {path} is not a folder; pass the folder convert-checkpoint wrote")
+        raise UsageError(f"checkpoint {path} is not a folder; pass the folder convert-checkpoint wrote")
     if not (path / MANIFEST_NAME).is_file():
         read_manifest(path)  # raises: not a (complete) preshard checkpoint
     result = VerifyResult(str(path), source=str(source) if source is not None else None)
@@ -144,17 +158,20 @@ def verify_checkpoint(
         from preshard.sources import open_source
 
         src = open_source(source, subfolder=subfolder, revision=revision, token=token)
+    folder = CheckpointFolder(path)
     result.tensors = len(manifest.tensors)
     result.chunks = sum(len(t.chunks) for t in manifest.tensors.values())
     total = sum(f.size for f in manifest.files) + (src.total_bytes if src is not None else 0)
     bar = Progress(total, "verifying", progress)
     try:
-        bad = _check_data_files(path, manifest, result, bar)
-        for problem in dcp_metadata_problems(path / DCP_METADATA_NAME, manifest):
-            result.add(problem)
-        _check_config(path, manifest, result)
+        bad = _check_data_files(folder, manifest, result, bar)
+        metadata = _read_small(folder, DCP_METADATA_NAME, result)
+        if metadata is not False:
+            for problem in dcp_metadata_problems(metadata, manifest):
+                result.add(problem)
+        _check_config(folder, manifest, result)
         if src is not None:
-            _check_source(path, manifest, src, result, bad, bar)
+            _check_source(folder, manifest, src, result, bad, bar)
     finally:
         bar.close()
     return result
@@ -164,7 +181,7 @@ def verify_checkpoint(
 # Data files: one sequential pass each for the file hash, every chunk's hash and every record's framing
 
 
-def _check_data_files(checkpoint: Path, manifest: Manifest, result: VerifyResult, bar: Progress) -> set[int]:
+def _check_data_files(folder: CheckpointFolder, manifest: Manifest, result: VerifyResult, bar: Progress) -> set[int]:
     """Returns the ids of the chunks that are damaged or missing (already reported)."""
     by_file: dict[str, list[ChunkRecord]] = {f.name: [] for f in manifest.files}
     for record in manifest.tensors.values():
@@ -172,24 +189,28 @@ def _check_data_files(checkpoint: Path, manifest: Manifest, result: VerifyResult
             by_file[c.file].append(c)
     bad: set[int] = set()
     for record in manifest.files:
-        path = checkpoint / record.name
         chunks = sorted(by_file[record.name], key=lambda c: c.offset)
-        if not path.is_file():
+        fd, why = _open(folder, record.name)
+        if fd is None:
             names = _tensor_names(chunks)
-            result.add(f"data file {record.name} is missing ({len(chunks)} chunks of {names})")
+            result.add(why or f"data file {record.name} is missing ({plural(len(chunks), 'chunk')} of {names})")
             for c in chunks:
                 bad.add(id(c))
                 result.damaged(c.tensor)
             continue
         result.files += 1
-        size = path.stat().st_size
-        if size != record.size:
-            result.add(f"data file {record.name} is {size} bytes, the manifest says {record.size}: truncated/damaged")
         try:
-            digest, hashed = _scan(path, chunks, size, result, bad, bar)
+            size = os.fstat(fd).st_size
+            if size != record.size:
+                result.add(
+                    f"data file {record.name} is {size} bytes, the manifest says {record.size}: truncated/damaged"
+                )
+            digest, hashed = _scan(fd, Path(record.name), chunks, size, result, bad, bar)
         except OSError as exc:
             result.add(f"data file {record.name} cannot be read: {exc.strerror or exc}")
             continue
+        finally:
+            os.close(fd)
         result.bytes_hashed += hashed
         if digest != record.xxh3_128 and size == record.size and not any(id(c) in bad for c in chunks):
             result.add(f"data file {record.name} fails its xxh3_128 checksum although every record in it is intact")
@@ -203,76 +224,96 @@ def _tensor_names(chunks: list[ChunkRecord], limit: int = 3) -> str:
     return ", ".join(names[:limit]) + (f" and {len(names) - limit} more tensors" if len(names) > limit else "")
 
 
+def _open(folder: CheckpointFolder, name: str) -> tuple[int | None, str | None]:
+    """(descriptor, None), or (None, why) for a file out of bounds or not regular, or (None, None) if missing."""
+    try:
+        return folder.open(name), None
+    except FileNotFoundError:
+        return None, None
+    except CorruptCheckpointError as exc:
+        return None, str(exc)
+
+
+def _read_small(folder: CheckpointFolder, name: str, result: VerifyResult) -> bytes | None | bool:
+    """The bytes of a small file (None: missing; False: refused, and reported)."""
+    fd, why = _open(folder, name)
+    if fd is None:
+        if why is not None:
+            result.add(why)
+            return False
+        return None
+    try:
+        return read_fd(fd)
+    finally:
+        os.close(fd)
+
+
 def _scan(
-    path: Path, chunks: list[ChunkRecord], size: int, result: VerifyResult, bad: set[int], bar: Progress
+    fd: int, path: Path, chunks: list[ChunkRecord], size: int, result: VerifyResult, bad: set[int], bar: Progress
 ) -> tuple[str, int]:
     """Read the file front to back once: file hash, each record's header, data hash and trailer."""
     digest = file_digest()
     buffer = bytearray(SCAN_BLOCK)
     hashed = 0
-    fd = os.open(path, os.O_RDONLY)
-    try:
 
-        def read(offset: int, length: int, sink) -> bool:
-            """Feed `length` bytes at `offset` to the file digest and `sink`; False if the file ends first."""
-            nonlocal hashed
-            while length:
-                view = memoryview(buffer)[: min(length, SCAN_BLOCK)]
-                try:
-                    pread_into(fd, offset, [view], path.name)
-                except CorruptCheckpointError:
-                    return False
-                digest.update(view)
-                sink(view)
-                hashed += len(view)
-                bar.update(len(view))
-                offset += len(view)
-                length -= len(view)
-            return True
+    def read(offset: int, length: int, sink) -> bool:
+        """Feed `length` bytes at `offset` to the file digest and `sink`; False if the file ends first."""
+        nonlocal hashed
+        while length:
+            view = memoryview(buffer)[: min(length, SCAN_BLOCK)]
+            try:
+                pread_into(fd, offset, [view], path.name)
+            except CorruptCheckpointError:
+                return False
+            digest.update(view)
+            sink(view)
+            hashed += len(view)
+            bar.update(len(view))
+            offset += len(view)
+            length -= len(view)
+        return True
 
-        for c in chunks:
-            where = f"tensor {c.tensor}: {describe_chunk(c)} in {path.name}"
-            if c.end > size:
-                result.add(f"{where} (bytes {c.offset}..{c.end}) lies past the end of the file ({size} bytes)")
-                bad.add(id(c))
-                result.damaged(c.tensor)
-                continue
-            framing = bytearray()
-            chunk_hash = xxhash.xxh3_64()
-            read(c.offset, len(c.framing.header), framing.extend)
-            read(c.data_offset, c.data_length, chunk_hash.update)
-            read(c.data_offset + c.data_length, len(c.framing.trailer), framing.extend)
-            framing_ok = framing == c.framing.header + c.framing.trailer
-            if chunk_hash.hexdigest() != c.xxh3_64:
-                result.add(
-                    f"{where} (bytes {c.data_offset}..{c.data_offset + c.data_length}) fails its xxh3_64 checksum: "
-                    "the tensor's data is damaged"
-                )
-            elif not framing_ok:
-                result.add(
-                    f"{where}: its torch.save record framing is damaged (the tensor's bytes are intact, but "
-                    "torch's dcp.load would fail on the record)"
-                )
-            else:
-                continue
+    for c in chunks:
+        where = f"tensor {c.tensor}: {describe_chunk(c)} in {path.name}"
+        if c.end > size:
+            result.add(f"{where} (bytes {c.offset}..{c.end}) lies past the end of the file ({size} bytes)")
             bad.add(id(c))
             result.damaged(c.tensor)
-        end = max((c.end for c in chunks), default=0)
-        if size > end:
-            read(end, size - end, lambda v: None)
-    finally:
-        os.close(fd)
+            continue
+        framing = bytearray()
+        chunk_hash = xxhash.xxh3_64()
+        read(c.offset, len(c.framing.header), framing.extend)
+        read(c.data_offset, c.data_length, chunk_hash.update)
+        read(c.data_offset + c.data_length, len(c.framing.trailer), framing.extend)
+        framing_ok = framing == c.framing.header + c.framing.trailer
+        if chunk_hash.hexdigest() != c.xxh3_64:
+            result.add(
+                f"{where} (bytes {c.data_offset}..{c.data_offset + c.data_length}) fails its xxh3_64 checksum: "
+                "the tensor's data is damaged"
+            )
+        elif not framing_ok:
+            result.add(
+                f"{where}: its torch.save record framing is damaged (the tensor's bytes are intact, but "
+                "torch's dcp.load would fail on the record)"
+            )
+        else:
+            continue
+        bad.add(id(c))
+        result.damaged(c.tensor)
+    end = max((c.end for c in chunks), default=0)
+    if size > end:
+        read(end, size - end, lambda v: None)
     return digest.hexdigest(), hashed
 
 
-def _check_config(checkpoint: Path, manifest: Manifest, result: VerifyResult) -> None:
+def _check_config(folder: CheckpointFolder, manifest: Manifest, result: VerifyResult) -> None:
     record = manifest.config
     if record is None:
         return
-    path = checkpoint / record.name
-    try:
-        raw = path.read_bytes()
-    except OSError:
+    raw = _read_small(folder, record.name, result)
+    if raw is False:
+        return
+    if raw is None:
         result.add(f"{record.name} is missing; load_sharded(ModelClass, ...) builds the model from it")
         return
     if not record.matches(raw):
@@ -283,7 +324,7 @@ def _check_config(checkpoint: Path, manifest: Manifest, result: VerifyResult) ->
 # Source: provenance and bit-for-bit equality
 
 
-def _check_source(checkpoint: Path, manifest: Manifest, src, result: VerifyResult, bad: set[int], bar) -> None:
+def _check_source(folder: CheckpointFolder, manifest: Manifest, src, result: VerifyResult, bad: set[int], bar) -> None:
     """Every tensor against the source, band by band (read once, in file order, which also yields file hashes)."""
     from preshard.sources.reader import SourceReader
 
@@ -294,13 +335,20 @@ def _check_source(checkpoint: Path, manifest: Manifest, src, result: VerifyResul
     fds: dict[str, int] = {}
     reader = SourceReader(src)
     pool = BufferPool()
+    fused = manifest.source.lora_tensors()
     try:
         for f in manifest.files:
-            if (checkpoint / f.name).is_file():
-                fds[f.name] = os.open(checkpoint / f.name, os.O_RDONLY)
+            fd, _ = _open(folder, f.name)  # a file refused here was reported with the data files
+            if fd is not None:
+                fds[f.name] = fd
         for entry in src.in_file_order():
             record = manifest.tensors.get(entry.name)
             layout = record.layout if record is not None else None
+            if entry.name in fused:  # read (for the file hash), not compared: a LoRA changed it
+                reader.read_into(entry, entry.start, torch.empty(entry.nbytes, dtype=torch.uint8))
+                bar.update(entry.nbytes)
+                result.lora_tensors += 1
+                continue
             if layout is None or layout.shape != entry.shape or layout.source_dtype != entry.dtype:
                 if layout is not None:
                     result.add(

@@ -1,0 +1,187 @@
+"""A plan checked against the model's module tree (built on the meta device), at conversion rather than at load.
+
+Three things a plan can get wrong that the tensor names and shapes alone do not show:
+- a rule naming something that is not what its style shards (a Linear style on a ModuleList, `tp_rms_norm` on
+  a LayerNorm), or a norm rule on a norm whose features no column-split projection beside it produces;
+- a norm across every head of a column-split projection left whole (Wan's and LTX-2's
+  `qk_norm="rms_norm_across_heads"`): each rank holds a part of what it normalises. The message says to use
+  `tp_rms_norm` where that style applies;
+- inside an attention module whose head count the plan divides, a Linear left whole: it would see every head
+  on every rank (LTX-2.3's per-head gate `to_gate_logits` under a plan written for LTX-2.0).
+
+Each problem is one line naming the module and why.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from preshard.errors import PlanError
+from preshard.format.plan import Plan, matches
+from preshard.format.styles import Colwise, Style, TPRMSNorm
+
+_NORM_TYPES = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)
+
+
+def is_attention(module: nn.Module) -> bool:
+    """diffusers' attention modules: they carry a processor and can swap it."""
+    return hasattr(module, "processor") and callable(getattr(module, "set_processor", None))
+
+
+def norm_size(module: nn.Module) -> int | None:
+    """The features a norm module normalises over (one trailing dim), else None."""
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 1:
+        return weight.shape[0]
+    return TPRMSNorm.width(module)
+
+
+def _is_norm(name: str, module: nn.Module) -> bool:
+    return isinstance(module, _NORM_TYPES) or "norm" in name.rpartition(".")[2].lower()
+
+
+def _head_dim(module: nn.Module) -> int | None:
+    head_dim = getattr(module, "head_dim", None)
+    if isinstance(head_dim, int):
+        return head_dim
+    inner, heads = getattr(module, "inner_dim", None), getattr(module, "heads", None)
+    if isinstance(inner, int) and isinstance(heads, int) and heads > 0 and inner % heads == 0:
+        return inner // heads
+    return None
+
+
+def folded(name: str) -> str:
+    """A module name with its numbered blocks as `*` (`blocks.3.attn1.norm_q` -> `blocks.*.attn1.norm_q`)."""
+    return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", name)
+
+
+def _column_split_outputs(parent: str, modules: dict[str, nn.Module], styles: dict[str, Style]) -> dict[int, list[str]]:
+    """Out features -> names of the column-split Linear layers directly in `parent`."""
+    depth = parent.count(".") + 1 if parent else 0
+    prefix = parent + "." if parent else ""
+    found: dict[int, list[str]] = {}
+    for name, style in styles.items():
+        if name.startswith(prefix) and name.count(".") == depth and isinstance(style, Colwise):
+            if isinstance(modules.get(name), nn.Linear):
+                found.setdefault(modules[name].weight.shape[0], []).append(name)
+    return found
+
+
+def _producer(norm: str, candidates: list[str]) -> str:
+    """The projection a norm most likely follows: `norm_q` -> `to_q`, `norm_added_k` -> `add_k_proj`."""
+    token = norm.rsplit("_", 1)[-1]
+    for name in candidates:
+        if name.rpartition(".")[2] in (f"to_{token}", f"add_{token}_proj"):
+            return name
+    return candidates[0]
+
+
+def check_norms_across_heads(
+    origin: str, modules: dict[str, nn.Module], styles: dict[str, Style], attention: Iterable[str]
+) -> None:
+    """A norm in one of the `attention` modules that spans the whole output of a column-split projection beside it
+    (every head at once) must have the `tp_rms_norm` style.
+
+    Raises:
+        PlanError: naming the norm, the projection, and the rule to add (or why no style can split it).
+    """
+    for name in attention:
+        module = modules[name]
+        split = _column_split_outputs(name, modules, styles)
+        head_dim = _head_dim(module)
+        for child_name, child in module.named_children():
+            full = f"{name}.{child_name}"
+            size = norm_size(child) if _is_norm(full, child) else None
+            if size is None or size not in split or size == head_dim or full in styles:
+                continue
+            across = (
+                f"{origin}: {full} normalises across all {size} features of the column-split "
+                f"{_producer(child_name, split[size])} (every head at once), which TP splits across ranks"
+            )
+            why = TPRMSNorm.unsupported(child)
+            if why is not None:
+                raise PlanError(f"{across}; it {why}, so this model cannot be sharded across heads yet")
+            raise PlanError(
+                f'{across}; shard it with the tp_rms_norm style: add {{"match": "{folded(full)}", "style": '
+                '"tp_rms_norm"} to the plan\'s "linear" rules (a plan file: --plan FILE)'
+            )
+
+
+def rule_styles(plan: Plan, modules: dict[str, nn.Module]) -> dict[str, Style]:
+    """The style of every module a rule of `plan` names, checked against what the module is.
+
+    Raises:
+        PlanError: a rule that matches no module (unless optional), a Linear rule on something else, a
+            `tp_rms_norm` rule on a norm it does not support or whose features no column-split projection
+            beside it produces.
+    """
+    cls = type(next(iter(modules.values()))).__name__
+    styles: dict[str, Style] = {}
+    for rule in plan.linear:
+        hits = [name for name in modules if name and matches(rule.match, name)]
+        if not hits and not rule.optional:
+            raise PlanError(f"{plan.origin}: rule {rule.match!r} matches no module of {cls}; fix the pattern")
+        if rule.style.name == "replicate":
+            continue  # keeps whatever it names whole: nothing to check
+        for name in hits:
+            module = modules[name]
+            if rule.style.module_kind == "norm":
+                why = TPRMSNorm.unsupported(module)
+                if why is not None:
+                    raise PlanError(
+                        f"{plan.origin}: rule {rule.match!r} gives {name} the tp_rms_norm style, but it {why}"
+                    )
+            elif not isinstance(module, nn.Linear):
+                raise PlanError(
+                    f"{plan.origin}: rule {rule.match!r} names {name}, a {type(module).__name__}, not an nn.Linear; "
+                    "point it at Linear modules"
+                )
+            styles[name] = rule.style
+    for name, style in styles.items():
+        if style.module_kind != "norm":
+            continue
+        parent = name.rpartition(".")[0]
+        if norm_size(modules[name]) not in _column_split_outputs(parent, modules, styles):
+            raise PlanError(
+                f"{plan.origin}: {name} has the tp_rms_norm style, but no column-split Linear beside it produces its "
+                f"{norm_size(modules[name])} features, so its input is not split; leave it replicated"
+            )
+    return styles
+
+
+def check_model_structure(plan: Plan, model: nn.Module, tp: int = 2) -> None:
+    """Every rule fits the module it names; at `tp` > 1, in every attention module whose heads the plan divides,
+    each Linear is sharded and each norm across the heads has `tp_rms_norm` (at tp=1 nothing is divided).
+
+    Raises:
+        PlanError: one line naming the module that blocks the plan and why.
+    """
+    modules = dict(model.named_modules())
+    styles = rule_styles(plan, modules)
+    if tp == 1:
+        return
+    divided = [name for name in modules if name and any(r.divide and matches(r.match, name) for r in plan.attention)]
+    check_norms_across_heads(plan.origin, modules, styles, divided)
+    for name in divided:
+        for child_name, child in modules[name].named_modules():
+            full = f"{name}.{child_name}"
+            if child_name and isinstance(child, nn.Linear) and full not in styles:
+                raise PlanError(
+                    f"{plan.origin}: {full} is a Linear inside {name}, whose heads the plan divides by the TP degree, "
+                    "but no rule shards it, so every rank would compute it for every head (a variant of the model "
+                    "the plan does not cover); add a rule for it in a plan file, --plan (colwise if it produces "
+                    "per-head features, rowwise if it consumes them), or use --tp 1"
+                )
+
+
+def first_attention(model: nn.Module) -> str | None:
+    """'NAME (CLASS, N heads)' of the model's first attention module, for messages; None if it has none."""
+    for name, module in model.named_modules():
+        if name and is_attention(module):
+            heads = getattr(module, "heads", None)
+            return f"{name} ({type(module).__name__}" + (f", {heads} heads)" if isinstance(heads, int) else ")")
+    return None
