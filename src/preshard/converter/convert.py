@@ -209,7 +209,7 @@ def plan_conversion(
         src = with_loras(src, loras, token=token)
     chosen = choose_plan(plan, src.config)
     layouts = resolve_plan(chosen, src.shapes(), mesh.tp, cast=cast, config=src.config or {})
-    if check_model and not vouched_for(chosen, src.config):
+    if check_model and not vouched_for(chosen, src.config, layouts, mesh.cp):
         check_plan_against_model(chosen, src.config, mesh.tp, mesh.cp)
     order = src.read_order()
     files = place_records([layouts[name] for name in order], mesh.tp)
@@ -362,7 +362,9 @@ def write_conversion(
             )
         stop = stack.enter_context(deferred_signals())
         stop.check()  # a signal that came before, its exception swallowed (numpy's import does): stop before writing
-        check = check_model and coord.rank == 0 and not vouched_for(job.plan, job.source.config)
+        check = (
+            check_model and coord.rank == 0 and not vouched_for(job.plan, job.source.config, job.layouts, job.mesh.cp)
+        )
         background = _Background(check, job)
         conversion = _Conversion(job, output, coord, _stop_check(stop, external_stop, background), overwrite)
         conversion.outcome = outcome
