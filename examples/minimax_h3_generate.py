@@ -44,7 +44,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--output", type=Path, default=Path("out"))
     parser.add_argument("--tiny", action="store_true", help="tiny random components, offline, checked")
     parser.add_argument("--tp", type=int, default=2, help="--tiny: the TP degree to convert for")
-    parser.add_argument("--workdir", type=Path, default=None, help="--tiny: where each rank converts (default: tmp)")
+    parser.add_argument("--workdir", type=Path, default=None, help="--tiny: where rank 0 converts (every rank sees it)")
     args = parser.parse_args(argv)
     if not args.tiny and not (args.checkpoint and args.pipeline):
         parser.error("give --checkpoint and --pipeline, or --tiny")
@@ -52,17 +52,28 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _tiny_checkpoint(args: argparse.Namespace, rank: int) -> Path:
-    """Each rank converts the tiny transformer into its own folder: no rank waits for another's files."""
+    """Rank 0 converts the tiny transformer; the others wait for the committed checkpoint (its manifest appears
+    last, by an atomic rename) and load that same folder: every rank of a job must load one checkpoint."""
     import tempfile
+    import time
 
     from preshard import convert_checkpoint
     from preshard.examples.minimax_h3 import save_checkpoint
     from preshard.examples.minimax_h3_pipeline import build_transformer
 
-    root = (args.workdir or Path(tempfile.mkdtemp(prefix="h3-tiny-"))) / f"rank{rank}"
-    source = save_checkpoint(build_transformer(), root / "transformer")
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "local")  # the same on every rank of one torchrun launch
+    root = args.workdir or Path(tempfile.gettempdir()) / f"h3-tiny-{run}"
     out = root / f"h3-tp{args.tp}"
-    convert_checkpoint(source, out, tp=args.tp, ring=args.ring or 1, ulysses=args.ulysses or 1, progress=False)
+    if rank == 0:
+        source = save_checkpoint(build_transformer(), root / "transformer")
+        mesh = {"tp": args.tp, "ring": args.ring or 1, "ulysses": args.ulysses or 1}
+        convert_checkpoint(source, out, **mesh, overwrite=True, progress=False)
+        return out
+    deadline = time.monotonic() + 600
+    while not (out / "manifest.json").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 did not convert {out} within 600 s")
+        time.sleep(0.2)
     return out
 
 

@@ -336,7 +336,7 @@ def test_a_variant_the_plan_does_not_cover_is_still_checked_against_the_model():
         "blocks.0.ffn.net.0.proj.weight": square, "blocks.0.ffn.net.2.weight": square,
         "blocks.0.attn2.to_q.weight": square,
     }  # fmt: skip
-    config = {"_class_name": "SkyReelsV2Transformer3DModel", "num_attention_heads": 2}
+    config = {"_class_name": "WanTransformer3DModel", "num_attention_heads": 2}
     layouts = resolve_plan(wan, shapes, 2, config=config)
     assert vouched_for(wan, config, layouts) and not vouched_for(wan, config, layouts, cp=2)
     with_bias = {**shapes, "blocks.0.attn1.norm_q.bias": row}

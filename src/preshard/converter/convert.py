@@ -209,6 +209,8 @@ def plan_conversion(
         src = with_loras(src, loras, token=token)
     chosen = choose_plan(plan, src.config)
     layouts = resolve_plan(chosen, src.shapes(), mesh.tp, cast=cast, config=src.config or {})
+    if mesh.cp > 1:
+        chosen.check_cp_config(src.config)  # from config.json alone: also where the model check is skipped
     if check_model and not vouched_for(chosen, src.config, layouts, mesh.cp):
         check_plan_against_model(chosen, src.config, mesh.tp, mesh.cp)
     order = src.read_order()
