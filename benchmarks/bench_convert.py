@@ -28,9 +28,10 @@ penalised the converter):
 * --model-check adds a conversion with a copy of the built-in plan as a plan file (its description edited: the
   same rules, but not the plan as shipped, so not vouched for): the plan is then checked against the model class
   (diffusers imported, the model built on the meta device) on a thread while converting: what that costs.
-* --busy N runs N processes spinning on the CPU during every step, cp included ("with another job running").
+* --busy N [M ...] runs N (then M, ...) processes spinning on the CPU during every step, cp included ("with
+  another job running"), each count a table of its own, alternating with the others within each repetition.
 
-    python benchmarks/bench_convert.py --layers 2 --reps 5 --tp 8 --cp 4 --workers 2 --no-cold --model-check --busy 1
+    python benchmarks/bench_convert.py --layers 2 --reps 5 --tp 8 --cp 4 --workers --no-cold --model-check --busy 0 1
     python benchmarks/bench_convert.py --layers 2 --reps 3 --tp 8 --cp 4 --workers 2 4
     python benchmarks/bench_convert.py --layers 1 --reps 1 --no-cold --json out.json --workdir /fast/disk
 
@@ -123,15 +124,21 @@ def _stats(values: list[float]) -> tuple[float, float, float]:
     return statistics.median(values), min(values), max(values)
 
 
-def report(runs: list[dict], source_bytes: int, largest_bytes: int, modes: list[str]) -> str:
+def _label(cache: str, busy: int) -> str:
+    return cache if not busy else f"{cache}, {busy} busy"
+
+
+def report(runs: list[dict], source_bytes: int, largest_bytes: int, modes: list[tuple[str, int]]) -> str:
     lines = []
     steps = list(dict.fromkeys(r["step"] for r in runs))
-    for mode in modes:
-        rows = [r for r in runs if r["mode"] == mode]
+    for cache, busy in modes:
+        rows = [r for r in runs if r["mode"] == _label(cache, busy)]
         if not rows:
             continue
         med = {s: statistics.median(r["wall_s"] for r in rows if r["step"] == s) for s in steps}
-        lines.append(f"\n{mode} (page cache {'dropped before each step' if mode == 'cold' else 'holding the source'})")
+        held = "dropped before each step" if cache == "cold" else "holding the source"
+        other = f"; {busy} other process(es) spinning on the CPU throughout" if busy else "; no other job of ours"
+        lines.append(f"\n{_label(cache, busy)} (page cache {held}{other})")
         head = (
             f"{'step':<24} {'n':>2} {'wall s median [min-max]':>26} {'GB/s':>6} {'CPU s':>7} {'CPU s/GB':>8} "
             f"{'max RSS MiB':>12} {'over largest':>12} {'written GB':>10} {'/ cp+sync':>9} {'/ read':>7}"
@@ -189,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-warm", action="store_true", help="skip warm runs")
     parser.add_argument("--no-imports", action="store_true", help="skip the fixed-cost reference steps")
     parser.add_argument("--model-check", action="store_true", help="also convert with the plan check against the model")
-    parser.add_argument("--busy", type=int, default=0, help="CPU-spinning processes running during every step")
+    parser.add_argument(
+        "--busy", type=int, nargs="+", default=[0], help="CPU-spinning processes during every step: one table per count"
+    )
     parser.add_argument("--max-disk-gb", type=float, default=20.0, help="refuse to need more disk (default 20)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds before a step is killed")
     parser.add_argument("--json", dest="json_path", help="write every raw number to this JSON file")
@@ -203,8 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     load_start = loadavg()
     print(f"host: {platform.node()}, {os.cpu_count()} CPUs, {platform.platform()}, python {platform.python_version()}")
     print(f"loadavg at start: {load_start}")
-    if args.busy:
-        print(f"another job: {args.busy} process(es) spinning on the CPU during every step")
+    if any(args.busy):
+        print(f"another job: {' / '.join(map(str, args.busy))} process(es) spinning on the CPU during every step")
 
     convert = _convert_command(env)
     help_text = subprocess.run([*convert, "--help"], env=env, capture_output=True, text=True).stdout
@@ -219,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         modes.remove("cold")
     if not modes:
         parser.error("nothing to run: neither warm nor cold runs")
+    modes = [(m, b) for m in modes for b in dict.fromkeys(args.busy)]
 
     root = Path(tempfile.mkdtemp(prefix="bench_convert-", dir=args.workdir))
     runs: list[dict] = []
@@ -275,11 +285,12 @@ def main(argv: list[str] | None = None) -> int:
         imports_cold = True  # the imports' files may not be cached yet
         for rep in range(args.reps):
             rep_modes = modes if rep % 2 == 0 else modes[::-1]
-            for mode in rep_modes:
+            for cache, nbusy in rep_modes:
+                mode = _label(cache, nbusy)
                 k = rep % len(names)
                 for position, step in enumerate(names[k:] + names[:k]):
                     os.sync()
-                    if mode == "cold":
+                    if cache == "cold":
                         drop_caches()
                         imports_cold = True
                     else:
@@ -288,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
                             imports_cold = False
                         _quiet(f"cat {files} > /dev/null", env)
                     load = loadavg()
-                    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+                    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(nbusy)]
                     try:
                         result = timed(steps[step], env, root / "step.log", args.timeout)
                     finally:
@@ -302,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
                     run.update(result, written_bytes=written)
                     runs.append(run)
                     print(
-                        f"rep {rep} {mode:<4} {step:<24} {result['wall_s']:8.2f} s  cpu "
+                        f"rep {rep} {mode:<12} {step:<24} {result['wall_s']:8.2f} s  cpu "
                         f"{result['user_s'] + result['sys_s']:7.2f} s  rss {result['maxrss_kib'] / 1024:6.0f} MiB  "
                         f"load {load.split()[0]}",
                         flush=True,

@@ -165,6 +165,47 @@ def test_loading_grows_linearly_with_the_tensor_count(sources, tmp_path):
     assert _grow(sources, tmp_path, load) < LINEAR
 
 
+class _Attention(nn.Module):
+    """What the model check takes for a diffusers attention module: a processor it can swap, and heads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads, self.processor = 2, None
+        self.to_q, self.to_out = nn.Linear(4, 8), nn.ModuleList([nn.Linear(8, 4)])
+        self.norm_q = nn.RMSNorm(4)  # per head: left whole
+
+    def set_processor(self, processor) -> None:
+        self.processor = processor
+
+
+def test_the_model_check_grows_linearly_with_the_module_count():
+    """Checking a plan against the model (at conversion, for a plan file) and against the checkpoint's tensors
+    (whether a built-in plan may skip that) are linear in the modules: the column-split outputs beside each
+    attention module were found by a scan of every styled module (quadratic: about x12 here)."""
+    from preshard.format.plan import Plan, resolve_plan
+    from preshard.plans.model_check import check_model_structure, structure_shown_by_tensors
+
+    plan = Plan.from_dict({
+        "format": 1, "name": "attention", "attention": [{"match": "blocks.*.attn", "divide": ["heads"]}],
+        "linear": [{"match": "blocks.*.attn.to_q", "style": "colwise"},
+                   {"match": "blocks.*.attn.to_out.0", "style": "rowwise"}],
+    })  # fmt: skip
+    counts = {}
+    for blocks in (SMALL // 4, LARGE // 4):
+        model = nn.Module()
+        model.blocks = nn.ModuleList(nn.Module() for _ in range(blocks))
+        for block in model.blocks:
+            block.attn = _Attention()
+        shapes = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
+        layouts = resolve_plan(plan, shapes, 2)
+        assert structure_shown_by_tensors(plan, layouts)
+        counts[blocks] = _calls(lambda m=model: check_model_structure(plan, m, 2)) + _calls(
+            lambda t=layouts: structure_shown_by_tensors(plan, t)
+        )
+    growth = counts[LARGE // 4] / counts[SMALL // 4]
+    assert growth < LINEAR, counts
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Signals in every phase of a conversion of many tensors
 

@@ -48,18 +48,33 @@ def dcp_metadata(manifest: Manifest, *, stand_ins: bool = False) -> Metadata:
         import torch.distributed.checkpoint.filesystem as fs
         import torch.distributed.checkpoint.metadata as md
 
+    # Equal sizes, offsets, properties and file names are one object each: the pickle then writes each once and
+    # refers back to it (a memo reference), a fraction of the time and bytes for many tensors of a few shapes.
+    sizes: dict[tuple[int, ...], torch.Size] = {}
+    properties: dict[torch.dtype, Any] = {}
+    files: dict[str, str] = {}
+
+    def size(dims: tuple[int, ...]) -> torch.Size:
+        found = sizes.get(dims)
+        if found is None:
+            found = sizes[dims] = torch.Size(dims)
+        return found
+
     state_dict_metadata = {}
     storage_data = {}
     for name, record in manifest.tensors.items():
         chunks = []
         for index, chunk in enumerate(record.chunks):
-            chunks.append(md.ChunkStorageMetadata(offsets=torch.Size(chunk.offsets), sizes=torch.Size(chunk.sizes)))
-            key = md.MetadataIndex(fqn=name, offset=torch.Size(chunk.offsets), index=index)
-            storage_data[key] = fs._StorageInfo(chunk.file, chunk.offset, chunk.framing.length)
+            offsets = size(chunk.offsets)
+            chunks.append(md.ChunkStorageMetadata(offsets=offsets, sizes=size(chunk.sizes)))
+            key = md.MetadataIndex(fqn=name, offset=offsets, index=index)
+            file = files.setdefault(chunk.file, chunk.file)
+            storage_data[key] = fs._StorageInfo(file, chunk.offset, chunk.framing.length)
+        dtype = record.layout.dtype
+        if dtype not in properties:
+            properties[dtype] = md.TensorProperties(dtype=dtype)
         state_dict_metadata[name] = md.TensorStorageMetadata(
-            properties=md.TensorProperties(dtype=record.layout.dtype),
-            size=torch.Size(record.layout.shape),
-            chunks=chunks,
+            properties=properties[dtype], size=size(record.layout.shape), chunks=chunks
         )
     return md.Metadata(
         state_dict_metadata=state_dict_metadata,
