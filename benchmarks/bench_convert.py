@@ -22,7 +22,16 @@ penalised the converter):
   GB/s and CPU seconds per GB over the source bytes (GB = 1e9 bytes). This driver imports neither torch
   nor preshard (the checkpoint is written by a child), so ru_maxrss does not inherit its footprint.
 * --workers P runs are added for each P when `convert-checkpoint --help` offers --workers.
+* The fixed cost: `import torch` alone, and converting the tiny embedded MiniMax-H3 (52 tensors, 0.4 MB) are
+  timed too; their CPU difference is the conversion's fixed CPU over `import torch` (interpreter, imports, plan,
+  commit), and the data path's CPU s/GB is the big conversion's CPU minus the tiny one's, over its bytes.
+* --model-check adds a conversion with a copy of the built-in plan as a plan file (its description edited: the
+  same rules, but not the plan as shipped, so not vouched for): the plan is then checked against the model class
+  (diffusers imported, the model built on the meta device) on a thread while converting: what that costs.
+* --busy N [M ...] runs N (then M, ...) processes spinning on the CPU during every step, cp included ("with
+  another job running"), each count a table of its own, alternating with the others within each repetition.
 
+    python benchmarks/bench_convert.py --layers 2 --reps 5 --tp 8 --cp 4 --workers --no-cold --model-check --busy 0 1
     python benchmarks/bench_convert.py --layers 2 --reps 3 --tp 8 --cp 4 --workers 2 4
     python benchmarks/bench_convert.py --layers 1 --reps 1 --no-cold --json out.json --workdir /fast/disk
 
@@ -69,6 +78,26 @@ GENERATE = textwrap.dedent(
 )
 CP = "cp -r + sync"
 IMPORTS = "import preshard.cli, preshard.converter.convert"
+TORCH = "import torch"
+TINY = "convert tiny (52 tensors)"
+MODEL_CHECK = "convert, model check"
+TINY_SOURCE = textwrap.dedent(
+    """
+    import sys
+    from preshard.examples.minimax_h3 import build_model, save_checkpoint
+    save_checkpoint(build_model(dtype="mixed", seed=0), sys.argv[1])
+    """
+)
+REFERENCES = ("imports", TORCH, TINY)  # not compared with cp or the read
+PLAN_FILE = textwrap.dedent(
+    """
+    import json, sys
+    from importlib import resources
+    plan = json.loads((resources.files("preshard.plans") / "builtin" / "minimax-h3.json").read_text())
+    plan["description"] += " (a copy: not the plan as shipped, so it is checked against the model class)"
+    open(sys.argv[1], "w").write(json.dumps(plan))
+    """
+)
 
 
 def _convert_command(env: dict[str, str]) -> list[str]:
@@ -95,15 +124,21 @@ def _stats(values: list[float]) -> tuple[float, float, float]:
     return statistics.median(values), min(values), max(values)
 
 
-def report(runs: list[dict], source_bytes: int, largest_bytes: int, modes: list[str]) -> str:
+def _label(cache: str, busy: int) -> str:
+    return cache if not busy else f"{cache}, {busy} busy"
+
+
+def report(runs: list[dict], source_bytes: int, largest_bytes: int, modes: list[tuple[str, int]]) -> str:
     lines = []
     steps = list(dict.fromkeys(r["step"] for r in runs))
-    for mode in modes:
-        rows = [r for r in runs if r["mode"] == mode]
+    for cache, busy in modes:
+        rows = [r for r in runs if r["mode"] == _label(cache, busy)]
         if not rows:
             continue
         med = {s: statistics.median(r["wall_s"] for r in rows if r["step"] == s) for s in steps}
-        lines.append(f"\n{mode} (page cache {'dropped before each step' if mode == 'cold' else 'holding the source'})")
+        held = "dropped before each step" if cache == "cold" else "holding the source"
+        other = f"; {busy} other process(es) spinning on the CPU throughout" if busy else "; no other job of ours"
+        lines.append(f"\n{_label(cache, busy)} (page cache {held}{other})")
         head = (
             f"{'step':<24} {'n':>2} {'wall s median [min-max]':>26} {'GB/s':>6} {'CPU s':>7} {'CPU s/GB':>8} "
             f"{'max RSS MiB':>12} {'over largest':>12} {'written GB':>10} {'/ cp+sync':>9} {'/ read':>7}"
@@ -117,16 +152,24 @@ def report(runs: list[dict], source_bytes: int, largest_bytes: int, modes: list[
             cpu = statistics.median(r["user_s"] + r["sys_s"] for r in sel)
             rss = max(r["maxrss_kib"] for r in sel) * 1024
             written = statistics.median(r["written_bytes"] for r in sel)
-            is_ref = step == "imports"
+            is_ref = step in REFERENCES
             ratio_cp = "" if step == CP or is_ref else f"{wall / med[CP]:.2f}"
             ratio_rd = "" if step == "read" or is_ref else f"{wall / med['read']:.2f}"
-            over = f"{(rss - largest_bytes) / MIB:+.0f}" if step.startswith("convert") else ""
+            over = f"{(rss - largest_bytes) / MIB:+.0f}" if step.startswith("convert") and not is_ref else ""
             gbs = "" if is_ref else f"{source_bytes / GB / wall:.2f}"
             cpu_gb = "" if is_ref else f"{cpu / (source_bytes / GB):.2f}"
             lines.append(
                 f"{step:<24} {len(sel):>2} {f'{wall:.2f} [{lo:.2f}-{hi:.2f}]':>26} {gbs:>6} {cpu:>7.2f} "
                 f"{cpu_gb:>8} {rss / MIB:>12.0f} {over:>12} {written / GB:>10.2f} {ratio_cp:>9} {ratio_rd:>7}"
             )
+        present = [s for s in steps if any(r["step"] == s for r in rows)]
+        cpu = {s: statistics.median(r["user_s"] + r["sys_s"] for r in rows if r["step"] == s) for s in present}
+        if TINY in cpu and TORCH in cpu:
+            lines.append(f"fixed CPU over `import torch` (convert tiny - import torch): {cpu[TINY] - cpu[TORCH]:.2f} s")
+            for step in present:
+                if step.startswith("convert ") and step != TINY:
+                    data = (cpu[step] - cpu[TINY]) / (source_bytes / GB)
+                    lines.append(f"data path CPU s/GB ({step} - convert tiny): {data:.2f}")
     lines += [
         "",
         "wall: the whole process group from start to exit (convert: interpreter start, imports, conversion,",
@@ -134,8 +177,8 @@ def report(runs: list[dict], source_bytes: int, largest_bytes: int, modes: list[
         "writeback threads are not counted on either side). GB/s and CPU s/GB over the source bytes (1e9).",
         "peak RSS: the largest process of the step's tree (ru_maxrss), the highest of the step's runs; 'over",
         "largest' subtracts the largest source tensor. CPU s and written GB: medians. '/ cp+sync' and '/ read':",
-        "ratio of medians. 'imports' is `python -c` importing the converter (a reference for the convert rows'",
-        "fixed cost, not compared).",
+        "ratio of medians. 'imports' is `python -c` importing the converter, 'import torch' torch alone, 'convert",
+        "tiny' a conversion of the tiny embedded model (references for the fixed cost, not compared).",
     ]
     return "\n".join(lines)
 
@@ -151,7 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", default=None, help="where to put the temporary folder (default: system temp)")
     parser.add_argument("--no-cold", action="store_true", help="skip cold runs even where the cache can be dropped")
     parser.add_argument("--no-warm", action="store_true", help="skip warm runs")
-    parser.add_argument("--no-imports", action="store_true", help="skip the `python -c import` reference step")
+    parser.add_argument("--no-imports", action="store_true", help="skip the fixed-cost reference steps")
+    parser.add_argument("--model-check", action="store_true", help="also convert with the plan check against the model")
+    parser.add_argument(
+        "--busy", type=int, nargs="+", default=[0], help="CPU-spinning processes during every step: one table per count"
+    )
     parser.add_argument("--max-disk-gb", type=float, default=20.0, help="refuse to need more disk (default 20)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds before a step is killed")
     parser.add_argument("--json", dest="json_path", help="write every raw number to this JSON file")
@@ -165,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     load_start = loadavg()
     print(f"host: {platform.node()}, {os.cpu_count()} CPUs, {platform.platform()}, python {platform.python_version()}")
     print(f"loadavg at start: {load_start}")
+    if any(args.busy):
+        print(f"another job: {' / '.join(map(str, args.busy))} process(es) spinning on the CPU during every step")
 
     convert = _convert_command(env)
     help_text = subprocess.run([*convert, "--help"], env=env, capture_output=True, text=True).stdout
@@ -179,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         modes.remove("cold")
     if not modes:
         parser.error("nothing to run: neither warm nor cold runs")
+    modes = [(m, b) for m in modes for b in dict.fromkeys(args.busy)]
 
     root = Path(tempfile.mkdtemp(prefix="bench_convert-", dir=args.workdir))
     runs: list[dict] = []
@@ -219,19 +269,28 @@ def main(argv: list[str] | None = None) -> int:
         steps[f"convert tp{args.tp} cp{args.cp}"] = f"{conv} && sync"
         for p in workers:
             steps[f"convert --workers {p}"] = f"{conv} --workers {p} && sync"
+        if args.model_check:
+            plan_file = root / "minimax-h3-plan.json"  # the built-in plan, as a file: checked against the model
+            _quiet(shlex.join([sys.executable, "-c", PLAN_FILE, str(plan_file)]), env)
+            steps[MODEL_CHECK] = f"{conv} --plan {q(str(plan_file))} && sync"
         if not args.no_imports:
+            tiny = root / "tiny"
+            _quiet(shlex.join([sys.executable, "-c", TINY_SOURCE, str(tiny)]), env)
             steps["imports"] = shlex.join([sys.executable, "-c", IMPORTS])
+            steps[TORCH] = shlex.join([sys.executable, "-c", TORCH])
+            steps[TINY] = shlex.join(convert) + f" {q(str(tiny))} {q(str(out))} --tp 2 --cp 2 --no-progress && sync"
         print(f"steps: {json.dumps(steps, indent=1)}", flush=True)
 
         names = list(steps)
         imports_cold = True  # the imports' files may not be cached yet
         for rep in range(args.reps):
             rep_modes = modes if rep % 2 == 0 else modes[::-1]
-            for mode in rep_modes:
+            for cache, nbusy in rep_modes:
+                mode = _label(cache, nbusy)
                 k = rep % len(names)
                 for position, step in enumerate(names[k:] + names[:k]):
                     os.sync()
-                    if mode == "cold":
+                    if cache == "cold":
                         drop_caches()
                         imports_cold = True
                     else:
@@ -240,7 +299,13 @@ def main(argv: list[str] | None = None) -> int:
                             imports_cold = False
                         _quiet(f"cat {files} > /dev/null", env)
                     load = loadavg()
-                    result = timed(steps[step], env, root / "step.log", args.timeout)
+                    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(nbusy)]
+                    try:
+                        result = timed(steps[step], env, root / "step.log", args.timeout)
+                    finally:
+                        for proc in busy:
+                            proc.kill()
+                            proc.wait()
                     written = tree_bytes(dst) + tree_bytes(out)
                     shutil.rmtree(dst, ignore_errors=True)
                     shutil.rmtree(out, ignore_errors=True)
@@ -248,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
                     run.update(result, written_bytes=written)
                     runs.append(run)
                     print(
-                        f"rep {rep} {mode:<4} {step:<24} {result['wall_s']:8.2f} s  cpu "
+                        f"rep {rep} {mode:<12} {step:<24} {result['wall_s']:8.2f} s  cpu "
                         f"{result['user_s'] + result['sys_s']:7.2f} s  rss {result['maxrss_kib'] / 1024:6.0f} MiB  "
                         f"load {load.split()[0]}",
                         flush=True,

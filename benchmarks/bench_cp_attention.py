@@ -11,6 +11,8 @@ text of a Flux-like joint attention). Variants, alternating, median of --reps ea
                  padding: the real runs are concatenated, then plain SDPA over the real keys)
   mask 2 rows    the same two rows masked instead (additive -inf mask over all keys)
   ring kernel    one ring step on the fused kernel that returns the log-sum-exp (what each ring step now runs)
+  ring kernel+key mask  the same step with a key mask (a text padding mask: the block's last quarter masked), as
+                 a ring step of HunyuanVideo's masked joint attention runs it
   ring math      the same step on the float32 math path ring attention used before
 
     python benchmarks/bench_cp_attention.py
@@ -49,6 +51,8 @@ def main() -> None:
     two_rows = torch.zeros(1, 1, 1, n)
     two_rows[..., args.text - 1] = two_rows[..., n - 1] = float("-inf")
     half = n // 2
+    key_mask = torch.arange(half) < half - half // 4  # [Lk]: the last quarter of the block's keys masked
+    key_mask = key_mask[None, None, None, :]
 
     variants = {
         "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, scale=scale),
@@ -58,6 +62,9 @@ def main() -> None:
         ),
         "mask 2 rows": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=two_rows, scale=scale),
         "ring kernel": lambda: CPA.block_attention_with_lse(q[:, :, :half], k[:, :, :half], v[:, :, :half], scale),
+        "ring kernel+key mask": lambda: CPA.block_attention_with_lse(
+            q[:, :, :half], k[:, :, :half], v[:, :, :half], scale, key_mask
+        ),
         "ring math": lambda: CPA._attention_f32(q[:, :, :half], k[:, :, :half], v[:, :, :half], None, scale),
     }
     times: dict[str, list[float]] = {name: [] for name in variants}

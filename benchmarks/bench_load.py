@@ -2,7 +2,7 @@
 
 For one rank of a tp=T conversion (default T=8, rank 0) of a synthetic MiniMax-H3 checkpoint at the real
 width (`preshard.examples.synthetic`: hidden 5376, 56 heads, ffn 14336, --layers transformer blocks plus
-both refiner blocks; bf16 with the real checkpoint's float32 modules; random bytes), three variants each
+both refiner blocks; bf16 with the real checkpoint's float32 modules; random bytes), five variants each
 run in a fresh child process:
 
   raw       the baseline: a plain sequential read (os.preadv, 16 MiB blocks, in file and offset order) of
@@ -10,6 +10,10 @@ run in a fresh child process:
             replicated chunk), into one preallocated buffer
   preshard  the runtime's ShardReader over every tensor of the manifest into preallocated CPU tensors
             (what load_sharded does on the CPU, without building a model or a process group)
+  prefault  preshard, with a second thread mapping the destination pages from the end (MADV_POPULATE_WRITE)
+            while the reader fills them from the start: the first-touch faults shared by two cores
+  hugepages preshard, with madvise(MADV_HUGEPAGE) on every destination tensor first: 2 MiB faults where
+            transparent huge pages are given on request
   slice     shard-on-read: the same rank's slices cut from the original safetensors with
             safetensors.safe_open(...).get_slice(name)[...] and copied into preallocated tensors. The
             copy matters: since safetensors 0.8 get_slice returns views backed by the mmapped file, so
@@ -25,8 +29,9 @@ mmap, which rchar does not count: the file pages its slices cover, from the file
 peak RSS during the read (VmHWM reset before it) and its growth, and ratios against raw of the same run.
 
 --ranks N runs the whole job instead: N ranks under torchrun (gloo, free port) each call load_sharded
-on one tp=N conversion and report the time from their process start to the model loaded, split into
-interpreter start, imports (torch + diffusers + preshard) and load_sharded (process group included).
+on one tp=N conversion and report the time from torchrun's start to the model loaded, split into torchrun's
+launch of the rank, interpreter start, the imports of torch, diffusers and preshard, the process group's
+start, building the model (on meta, checks, hooks) and the read of the rank's shard.
 
     python benchmarks/bench_load.py                           # tp=8, rank 0, 1 layer (2.8 GiB), 3 runs
     python benchmarks/bench_load.py --layers 2 --tp 4 --rank 1 --runs 5
@@ -46,12 +51,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 from _harness import REPO_SRC, bench_env, cold_possible, drop_caches, loadavg
 
-VARIANTS = ("raw", "preshard", "slice")
+VARIANTS = ("raw", "preshard", "prefault", "hugepages", "slice")
 MIB = 1024 * 1024
 BLOCK = 16 * MIB
 
@@ -97,7 +103,71 @@ def _variant_files(checkpoint: Path, source: Path, rank: int) -> dict[str, list[
     manifest = read_manifest(checkpoint)
     mine = [checkpoint / f for f in manifest.files_for_tp_rank(rank)] + [checkpoint / "manifest.json"]
     src = _files_of(source) if source.is_dir() else [source]
-    return {"raw": mine, "preshard": mine, "slice": src}
+    return {"raw": mine, "preshard": mine, "prefault": mine, "hugepages": mine, "slice": src}
+
+
+# --------------------------------------------------------------------------------------------------
+# First-touch cost of fresh destination memory: two remedies measured as variants (neither is in the loader:
+# on the shared 2-core VM both made the load slower, see the README)
+
+HUGE_PAGE, PAGE = 2 << 20, 4096
+MADV_HUGEPAGE, MADV_POPULATE_WRITE = 14, 23  # linux/mman.h
+PREFAULT_STEP = 16 << 20
+
+
+def _madvise():
+    import ctypes
+
+    if not sys.platform.startswith("linux"):
+        return None
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
+def advise_huge_pages(tensor) -> None:
+    """madvise(MADV_HUGEPAGE) on the whole huge pages inside a CPU tensor's memory, before it is first written:
+    its faults are then 2 MiB ones where transparent huge pages are given on request (`madvise` mode)."""
+    madvise = _madvise()
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    first, last = -(-start // HUGE_PAGE) * HUGE_PAGE, end - end % HUGE_PAGE
+    if madvise is not None and last > first:
+        madvise(first, last - first, MADV_HUGEPAGE)
+
+
+class Prefault:
+    """While the block runs, a thread maps the pages of `tensors` (in read order) last tensor first
+    (MADV_POPULATE_WRITE: the data is not touched), so that the reader filling them from the first meets it in
+    the middle and the fault work is shared by two cores."""
+
+    def __init__(self, tensors) -> None:
+        self.regions = []
+        for t in tensors:
+            if t.numel():
+                start = t.data_ptr() - t.data_ptr() % PAGE
+                end = t.data_ptr() + t.numel() * t.element_size()
+                self.regions.append((start, end + (-end % PAGE) - start))
+        self.madvise = _madvise()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        if self.madvise is not None:
+            self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        for start, length in reversed(self.regions):
+            for offset in range(0, length, PREFAULT_STEP):
+                if self.stop.is_set() or self.madvise(start + offset, min(PREFAULT_STEP, length - offset), 23):
+                    return
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        if self.thread.is_alive():
+            self.thread.join()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -178,17 +248,26 @@ def _prepare_raw(checkpoint: Path, rank: int):
     return read
 
 
-def _prepare_preshard(checkpoint: Path, rank: int):
+def _prepare_preshard(checkpoint: Path, rank: int, memory: str = "fresh"):
+    """The runtime's reader into preallocated tensors; `memory`: "prefault" maps their pages on a second thread
+    while reading (`Prefault`), "hugepages" asks for transparent huge pages first (`advise_huge_pages`)."""
+    import contextlib
+
     from preshard.format.manifest import read_manifest
     from preshard.runtime.reader import ShardReader
 
     manifest = read_manifest(checkpoint)
     outs = _preallocate(manifest)
+    if memory == "hugepages":
+        for out in outs.values():
+            advise_huge_pages(out)
+    chunks = manifest.chunks_for_tp_rank(rank)
+    order = sorted(outs, key=lambda n: min((c.file, c.offset) for c in chunks[n]))
 
     def read() -> tuple[int, int | None]:
-        with ShardReader(checkpoint, manifest, rank, verify=False, pin=False) as reader:
-            for name, out in outs.items():
-                reader.read(name, out)
+        prefault = Prefault([outs[n] for n in order]) if memory == "prefault" else contextlib.nullcontext()
+        with prefault, ShardReader(checkpoint, manifest, rank, verify=False, pin=False) as reader:
+            reader.read_all(outs)
         return reader.stats.bytes_read, None
 
     read.outs = outs
@@ -289,7 +368,14 @@ def child(variant: str, checkpoint: Path, rank: int) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    read = {"raw": _prepare_raw, "preshard": _prepare_preshard, "slice": _prepare_slice}[variant](checkpoint, rank)
+    prepare = {
+        "raw": _prepare_raw,
+        "preshard": _prepare_preshard,
+        "prefault": lambda c, r: _prepare_preshard(c, r, "prefault"),
+        "hugepages": lambda c, r: _prepare_preshard(c, r, "hugepages"),
+        "slice": _prepare_slice,
+    }
+    read = prepare[variant](checkpoint, rank)
     # The peak RSS of the read alone: reset the high-water mark (ru_maxrss cannot be used: Linux carries the
     # forking parent's peak over exec, so it reports at least the benchmark driver's own RSS).
     with open("/proc/self/clear_refs", "w") as f:
@@ -367,35 +453,46 @@ def _process_start_boot_seconds() -> float:
 
 
 def rank_main(checkpoint: str, out_dir: str) -> None:
-    """Runs in each torchrun rank: time from process start to a loaded model, in parts."""
+    """Runs in each torchrun rank: time from torchrun's launch to a loaded model, in parts."""
     t_main = _boot_seconds()
     t_start = _process_start_boot_seconds()
+    launched = float(os.environ.get("BENCH_LAUNCH_BOOT_S", "nan"))
     import torch
+
+    t_torch = _boot_seconds()
     from diffusers import MiniMaxH3Transformer3DModel
+
+    t_diffusers = _boot_seconds()
+    import torch.distributed as dist
 
     from preshard.runtime.load import load_sharded
 
     t_imported = _boot_seconds()
     torch.set_num_threads(1)
+    dist.init_process_group("gloo")  # what load_sharded would do first; timed on its own
+    t_group = _boot_seconds()
     model = load_sharded(MiniMaxH3Transformer3DModel, checkpoint, device="cpu")
     t_loaded = _boot_seconds()
     report = model.preshard_report
     mine = {
         "rank": report.rank,
+        "launch_s": t_start - launched,
         "interpreter_s": t_main - t_start,
+        "torch_s": t_torch - t_main,
+        "diffusers_s": t_diffusers - t_torch,
+        "preshard_s": t_imported - t_diffusers,
         "imports_s": t_imported - t_main,
-        "load_sharded_s": t_loaded - t_imported,
+        "process_group_s": t_group - t_imported,
+        "build_s": t_loaded - t_group - report.read_seconds,
+        "load_sharded_s": t_loaded - t_group,
         "read_s": report.read_seconds,
-        "total_s": t_loaded - t_start,
+        "total_s": t_loaded - launched,
         "bytes_read": report.bytes_read,
         "peak_rss": _status_kib("VmHWM") * 1024,
     }
     Path(out_dir, f"rank{report.rank}.json").write_text(json.dumps(mine))
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _free_port() -> int:
@@ -412,6 +509,7 @@ def run_ranks(checkpoint: Path, ranks: int, work: Path, env: dict[str, str], tim
         os.path.abspath(__file__), "--rank-child", str(checkpoint), "--out", str(out),
     ]  # fmt: skip
     t0 = time.perf_counter()
+    env = {**env, "BENCH_LAUNCH_BOOT_S": repr(_boot_seconds())}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     wall = time.perf_counter() - t0
     if done.returncode:
@@ -423,11 +521,17 @@ def run_ranks(checkpoint: Path, ranks: int, work: Path, env: dict[str, str], tim
     return {"torchrun_wall_s": wall, "ranks": per_rank}
 
 
+RANK_PARTS = (
+    "launch_s", "interpreter_s", "torch_s", "diffusers_s", "preshard_s", "process_group_s", "build_s", "read_s",
+    "total_s",
+)  # fmt: skip
+
+
 def ranks_report(jobs: list[dict], ranks: int) -> str:
-    keys = ("interpreter_s", "imports_s", "load_sharded_s", "read_s", "total_s")
+    keys = RANK_PARTS
     lines = [
         f"\n{'mode':<5} {'job':>3} {'torchrun s':>10}  "
-        + "  ".join(f"{k.removesuffix('_s') + ' med/max s':>22}" for k in keys)
+        + "  ".join(f"{k.removesuffix('_s').replace('_', ' ') + ' med/max':>17}" for k in keys)
         + f"  {'MiB read/rank':>13} {'peak RSS MiB max':>16}"
     ]
     lines.append("-" * len(lines[-1].strip("\n")))
@@ -435,7 +539,7 @@ def ranks_report(jobs: list[dict], ranks: int) -> str:
         cells = []
         for k in keys:
             values = [r[k] for r in job["ranks"]]
-            cells.append(f"{f'{statistics.median(values):.2f} / {max(values):.2f}':>22}")
+            cells.append(f"{f'{statistics.median(values):.2f} / {max(values):.2f}':>17}")
         mib = statistics.median(r["bytes_read"] for r in job["ranks"]) / MIB
         rss = max(r["peak_rss"] for r in job["ranks"]) / MIB
         lines.append(
@@ -445,9 +549,10 @@ def ranks_report(jobs: list[dict], ranks: int) -> str:
         )
     lines += [
         "",
-        f"per job: median / max over the {ranks} ranks. interpreter: process start (exec) to the benchmark's",
-        "main; imports: torch + diffusers + preshard; load_sharded: the whole call (process group, model on",
-        "meta, reading this rank's shard, hooks); read: the reading inside it; total: process start to loaded.",
+        f"per job: median / max over the {ranks} ranks. launch: torchrun started to this rank's process start;",
+        "interpreter: process start (exec) to the benchmark's main; torch, diffusers, preshard: their imports;",
+        "process group: init_process_group (gloo, every rank joining); build: load_sharded minus its read (model on",
+        "meta, checks, buffers, hooks); read: reading this rank's shard; total: torchrun started to loaded model.",
     ]
     return "\n".join(lines)
 

@@ -72,9 +72,10 @@ PREPARE = textwrap.dedent(
 def report(runs: list[dict], input_bytes: int, largest_bytes: int) -> str:
     steps = list(dict.fromkeys(r["step"] for r in runs))
     med = {s: statistics.median(r["wall_s"] for r in runs if r["step"] == s) for s in steps}
+    convert = next((s for s in steps if s.startswith("convert")), None)
     head = (
-        f"{'step':<28} {'n':>2} {'wall s median [min-max]':>26} {'GB/s':>6} {'CPU s':>7} {'max RSS MiB':>12} "
-        f"{'over largest':>12} {'written GB':>10} {'/ cp+sync':>9}"
+        f"{'step':<28} {'n':>2} {'wall s median [min-max]':>26} {'GB/s':>6} {'CPU s':>7} {'CPU s/GB':>8} "
+        f"{'max RSS MiB':>12} {'over largest':>12} {'written GB':>10} {'/ cp+sync':>9} {'/ convert':>9}"
     )
     lines = [head, "-" * len(head)]
     for step in steps:
@@ -86,17 +87,20 @@ def report(runs: list[dict], input_bytes: int, largest_bytes: int) -> str:
         over = "" if step == CP else f"{(rss - largest_bytes) / MIB:+.0f}"
         written = statistics.median(r["written_bytes"] for r in sel)
         ratio = "" if step == CP else f"{wall / med[CP]:.2f}"
+        to_convert = f"{wall / med[convert]:.2f}" if convert and step.startswith("reshard tp") else ""
         lines.append(
             f"{step:<28} {len(sel):>2} {f'{wall:.2f} [{min(walls):.2f}-{max(walls):.2f}]':>26} "
-            f"{input_bytes / GB / wall:>6.2f} {cpu:>7.2f} {rss / MIB:>12.0f} {over:>12} "
-            f"{written / GB:>10.2f} {ratio:>9}"
+            f"{input_bytes / GB / wall:>6.2f} {cpu:>7.2f} {cpu / (input_bytes / GB):>8.2f} {rss / MIB:>12.0f} "
+            f"{over:>12} {written / GB:>10.2f} {ratio:>9} {to_convert:>9}"
         )
     lines += [
         "",
         "wall: the whole process group from start to exit, its closing sync included. GB/s over the input",
         "checkpoint's bytes (1e9). CPU s: user+sys of the process tree (median). max RSS: the largest process of",
         "the step's tree, highest of its runs; 'over largest' subtracts the largest tensor. written GB: bytes in",
-        "the step's output folder (hard links counted at full size). '/ cp+sync': ratio of medians.",
+        "the step's output folder (hard links counted at full size). CPU s/GB: over the input's bytes. '/ cp+sync'",
+        "and '/ convert' (a TP reshard against converting the source straight to the new TP degree): ratios of",
+        "medians.",
     ]
     return "\n".join(lines)
 

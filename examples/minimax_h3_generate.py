@@ -44,7 +44,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--output", type=Path, default=Path("out"))
     parser.add_argument("--tiny", action="store_true", help="tiny random components, offline, checked")
     parser.add_argument("--tp", type=int, default=2, help="--tiny: the TP degree to convert for")
-    parser.add_argument("--workdir", type=Path, default=None, help="--tiny: where rank 0 converts (default: tmp)")
+    parser.add_argument("--workdir", type=Path, default=None, help="--tiny: where rank 0 converts (every rank sees it)")
     args = parser.parse_args(argv)
     if not args.tiny and not (args.checkpoint and args.pipeline):
         parser.error("give --checkpoint and --pipeline, or --tiny")
@@ -70,7 +70,8 @@ def _tiny_checkpoint(args: argparse.Namespace, rank: int) -> Path:
             root = args.workdir or Path(tempfile.mkdtemp(prefix="h3-tiny-"))
             source = save_checkpoint(build_transformer(), root / "transformer")
             out = root / f"h3-tp{args.tp}"
-            convert_checkpoint(source, out, tp=args.tp, ring=args.ring or 1, ulysses=args.ulysses or 1, progress=False)
+            mesh = {"tp": args.tp, "ring": args.ring or 1, "ulysses": args.ulysses or 1}
+            convert_checkpoint(source, out, **mesh, overwrite=True, progress=False)  # a re-run into --workdir
             message[0] = str(out)
         except Exception as exc:  # noqa: BLE001 - told to every rank, so that none waits
             message[1] = f"{type(exc).__name__}: {exc}"

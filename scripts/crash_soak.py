@@ -141,6 +141,15 @@ def _running(pid: int) -> bool:
         return True
 
 
+def _lock_state(output: Path) -> tuple[int, int] | None:
+    """The output's lock file as (inode, mtime), None if there is none: a run that takes the lock writes its pid."""
+    try:
+        stat = lock_path(output).stat()
+    except FileNotFoundError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns
+
+
 def written_bytes(pid: int) -> int | None:
     """Bytes the process has passed to write/pwrite so far (Linux /proc/<pid>/io), None if unreadable."""
     try:
@@ -539,6 +548,7 @@ class CrashHarness:
         had_output = before is not None and (self.output / MANIFEST_NAME).is_file()
         journal = self.work / JOURNAL_NAME
         journal_before = journal.stat().st_size if journal.is_file() else 0
+        lock_before = _lock_state(self.output)  # a killed run's lock file: the next run takes it over
         run = self.zygote.spawn(self.args(mesh))
         at = self._wait_until(run, mode, journal_before)
         sent, wchar = self.zygote.signal(run, signum)
@@ -571,8 +581,10 @@ class CrashHarness:
                     self._fail(f"{name}: the partial output was not kept")
         elif code == 0 and (stderr or not stdout.startswith("wrote ")):
             self._fail(f"{name}: a finished run printed {stdout!r} / {stderr!r}")
-        if code != -signal.SIGKILL and lock_path(self.output).exists():
+        lock_after = _lock_state(self.output)
+        if code != -signal.SIGKILL and lock_after is not None and lock_after != lock_before:
             self._fail(f"{name}: the lock file was left behind by a run that exited")
+        # (A lock file a killed run left, which this run never reached, untouched: stopped before taking the lock.)
         self._check_output(before, had_output, name)
         return where
 

@@ -455,11 +455,15 @@ class Soak:
             why = one_line(outcome, "a.weight")
             if why:
                 return why
-            if outcome.seconds > self.max_seconds:
-                return f"took {outcome.seconds:.2f} s"
-            return "an output was written" if (folder / "out").exists() else None
+            return self._bounded_and_nothing_written(outcome, folder)
 
         return case
+
+    def _bounded_and_nothing_written(self, outcome, folder: Path) -> str | None:
+        """A refusal must come fast and leave no output behind."""
+        if outcome.seconds > self.max_seconds:
+            return f"took {outcome.seconds:.2f} s"
+        return "an output was written" if (folder / "out").exists() else None
 
     def _fitting_header(self, shape: list, dtype: str) -> Callable[[Path], str | None]:
         def case(folder: Path) -> str | None:
@@ -529,9 +533,7 @@ class Soak:
                 why = one_line(outcome)
                 if why:
                     return why
-            if outcome.seconds > self.max_seconds:
-                return f"took {outcome.seconds:.2f} s"
-            return "an output was written" if (folder / "out").exists() else None
+            return self._bounded_and_nothing_written(outcome, folder)
 
         return case
 

@@ -165,7 +165,10 @@ def test_a_resumed_conversion_says_what_it_kept(source, tmp_path, monkeypatch):
     resumed = cli_runner().invoke(convert_checkpoint_command, [*args, "--json"])
     assert resumed.exit_code == 0, resumed.stderr
     data = json.loads(resumed.stdout)
-    assert data["status"] == "resumed" and 1 <= data["kept_tensors"] <= 30 and data["kept_bytes"] > 0, data
+    # Kept: at least one tensor, not all. (A few more than the 30 the hook saw may be: the writers write a slab of
+    # small tensors as one batch, and what became durable before the crash is claimed.)
+    total = len(read_manifest(out).tensors)
+    assert data["status"] == "resumed" and 1 <= data["kept_tensors"] < total and data["kept_bytes"] > 0, data
     text = cli_runner().invoke(convert_checkpoint_command, [*args, "--overwrite"]).stdout
     assert "; resumed: kept" not in text  # a fresh conversion (nothing to keep) says nothing of the kind
 

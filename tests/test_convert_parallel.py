@@ -332,6 +332,26 @@ def test_torchrun_entry_point_writes_the_same_bytes(source, reference, tmp_path)
     _assert_same_files(reference["tp4"], out)
 
 
+@pytest.mark.parametrize("small_band_bytes", [0, 1024, 1 << 30])
+@pytest.mark.parametrize("workers", [1, 2])
+def test_small_bands_read_into_slabs_write_the_same_bytes(
+    source, reference, tmp_path, monkeypatch, small_band_bytes, workers
+):
+    """Small bands are read one after another into a slab and handed on together (issue 21: 100 000 tiny tensors):
+    every band read alone (0), a mix of slabs and bands read alone (1024), every band in a slab of at most 3 bands
+    (so slabs end at sync points, mid-tensor and between files), with and without a cast and workers: the same
+    bytes as the reference, whatever the mix."""
+    from preshard.converter import pipeline
+
+    monkeypatch.setattr(pipeline, "SMALL_BAND_BYTES", small_band_bytes)
+    monkeypatch.setattr(pipeline, "SLAB_BANDS", 3)
+    monkeypatch.setattr(convert_module, "SYNC_MIN_BYTES", 1 << 12)  # many sync points, some inside a slab
+    _convert(source, tmp_path / "tp4", workers=workers)
+    _assert_same_files(reference["tp4"], tmp_path / "tp4")
+    _convert(source, tmp_path / "tp4-bf16", dtype="bf16", workers=workers)
+    _assert_same_files(reference["tp4-bf16"], tmp_path / "tp4-bf16")
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_plan_check_against_the_model_runs_while_converting_and_blocks_the_commit(tiny_sources, tmp_path, workers):
     """The attention rules are checked against the model class (diffusers, on the meta device) on a thread

@@ -4,9 +4,8 @@ Flux splits text and image at its root and joins them in every attention; LTX-2 
 attends within each and across them (audio-to-video, video-to-audio). With lengths the CP size does not
 divide (13 image and 5 text rows, as the issue asks, and more), each sequence is padded on its own, every
 collective stays equal-sized (checked by the Neuron rule checker), and the output equals the unsharded model
-within 1e-5: Flux at tp=2 x ulysses=2, tp=2 x ring=2, ring=2 x ulysses=2, ulysses=3 and ring=2; LTX-2 (a
-test-local plan: its `_cp_plan` leaves audio whole, and preshard has no TP plan for it yet, so tp=1) at
-ulysses=2, ring=2 and ulysses=3.
+within 1e-5: Flux at tp=2 x ulysses=2, tp=2 x ring=2, ring=2 x ulysses=2, ulysses=3 and ring=2; LTX-2 (the
+built-in plan, tp=1: tp=2 x CP is in test_video_plans.py) at ulysses=2, ring=2 and ulysses=3.
 
 Negative controls: with Flux's join order reversed the output is wrong (so the order is what finds the
 padding), and with no join order the forward is refused in one line that speaks to pipeline users. What a
@@ -16,7 +15,6 @@ or is refused in one line.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +51,7 @@ def flux_inputs(image: int, text: int, seed: int = 0) -> dict[str, torch.Tensor]
 LTX_CONFIG = dict(
     in_channels=8, out_channels=8, num_attention_heads=4, attention_head_dim=8, cross_attention_dim=32,
     audio_in_channels=6, audio_out_channels=6, audio_num_attention_heads=4, audio_attention_head_dim=4,
-    audio_cross_attention_dim=16, num_layers=2, caption_channels=24,
+    audio_cross_attention_dim=16, num_layers=2, caption_channels=24, rope_type="split",
 )  # fmt: skip
 
 
@@ -106,8 +104,7 @@ def _split(dims: int = 3) -> dict[str, int]:
 ROPES = ("rope", "audio_rope", "cross_attn_rope", "cross_attn_audio_rope")
 
 
-# Video and audio split at the root and at every RoPE (the class's own `_cp_plan` splits text instead of audio);
-# attention within and across video and audio runs context parallel, the text cross-attentions stay local.
+# A plan file with a join order (round-tripped below): video and audio split at the root and at every RoPE.
 LTX_PLAN = {
     "format": 1,
     "name": "ltx2-video-audio-cp (test)",
@@ -140,11 +137,9 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
     sd3 = save(build_builtin("sd3")[0], root / "src-sd3")
     convert_checkpoint(sd3, root / "sd3", tp=1, progress=False)  # the built-in plan
     ltx = save(ltx_model(), root / "src-ltx2")
-    plan = root / "ltx2-plan.json"
-    plan.write_text(json.dumps(LTX_PLAN))
     for tp in (1, 2):
         convert_checkpoint(flux, root / f"flux-tp{tp}", tp=tp, progress=False)
-    convert_checkpoint(ltx, root / "ltx2", tp=1, plan=plan, progress=False)
+    convert_checkpoint(ltx, root / "ltx2", tp=1, progress=False)  # the built-in plan
     return {
         "flux1": str(root / "flux-tp1"), "flux2": str(root / "flux-tp2"), "ltx2": str(root / "ltx2"),
         "sd3": str(root / "sd3"),
@@ -451,3 +446,35 @@ def test_a_join_sum_never_equals_a_sequence():
     assert rows == 4
     assert rt.key_layout(3, "attn") == (KeySequence(3, 2), KeySequence(2, 1))
     assert rt.key_layout(4, "attn") == (KeySequence(5, 4),)
+
+
+def test_attention_masks_are_cut_into_each_ranks_key_rows_or_refused_in_one_line():
+    """A mask over the whole joined key sequence (image then text) becomes each CP rank's mask over its key rows; a
+    mask per head, one that depends on the query over the whole sequence, one of neither size, and a [queries, keys]
+    mask that is not a key mask and a query mask combined are refused naming the module."""
+    from preshard.errors import UsageError
+    from preshard.runtime.cp_attention import KeySequence
+
+    rt = _runtime(cp=2, join=("hidden_states", "encoder_hidden_states"))
+    rt.rows_for(6, "hidden_states", "image")  # 3 rows each: nothing padded
+    rt.rows_for(4, "encoder_hidden_states", "text")  # 2 rows each
+    assert rt.key_layout(5, "attn") == (KeySequence(10, 5),)  # unmasked: every key is real, the order is moot
+    layout = rt.key_layout(5, "attn", exact=True)  # masked: the keys by position
+    assert layout == (KeySequence(6, 3), KeySequence(4, 2))
+    full = torch.tensor([[True] * 6 + [True, False, True, False]])  # image 6, then text 4 with rows 1 and 3 padding
+    q = k = torch.zeros(1, 1, 5, 4)
+    masks, queries = rt._key_masks("attn", full[:, None, None, :], q, k, layout)
+    assert queries is None and masks.shape == (2, 1, 5)
+    assert masks[0, 0].tolist() == [True, True, True, True, False]  # image rows 0-2, text rows 0-1
+    assert masks[1, 0].tolist() == [True, True, True, True, False]  # image rows 3-5, text rows 2-3
+    bias = torch.where(full, 0.0, float("-inf"))
+    assert torch.equal(rt._key_masks("attn", bias, q, k, layout)[0][1, 0], bias[0, [3, 4, 5, 8, 9]])
+    for mask, says in [
+        (torch.ones(1, 2, 1, 10, dtype=torch.bool), "the same for every head"),
+        (torch.ones(1, 1, 10, 10, dtype=torch.bool), "cannot split"),
+        (torch.ones(1, 1, 1, 7, dtype=torch.bool), "the whole 10 keys or this rank's 5"),
+        (torch.eye(5, dtype=torch.bool)[None, None], "not a key mask and a query mask combined"),
+    ]:
+        with pytest.raises(UsageError, match=says) as caught:
+            rt._key_masks("blocks.0.attn", mask, q, k, layout)
+        assert "blocks.0.attn" in str(caught.value) and "\n" not in str(caught.value)

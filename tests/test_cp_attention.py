@@ -112,9 +112,9 @@ def _worker(rank: int, world: int) -> dict[str, dict[str, Any]]:
     kernel_blocks: list[int] = []
     fused = CPA.block_attention_with_lse
 
-    def counting_kernel(q, k, v, scale):
+    def counting_kernel(q, k, v, scale, *mask):
         kernel_blocks.append(k.shape[2])
-        return fused(q, k, v, scale)
+        return fused(q, k, v, scale, *mask)
 
     CPA.block_attention_with_lse = counting_kernel
     CPA._attention_f32 = _math_path_forbidden
@@ -154,6 +154,26 @@ def _worker(rank: int, world: int) -> dict[str, dict[str, Any]]:
             local_attention=None,
             drop_padding=False,
         )
+        # Key masks (a text padding mask): each CP rank's mask over its local key rows; batch row 1 keeps only its
+        # first two keys, so whole key blocks are masked for it (their lse must not count). Bool and float.
+        gen = torch.Generator().manual_seed(7 + CASES.index(case))
+        valid = torch.rand(2, case.seq_len, generator=gen) > 0.4
+        valid[0, 0] = True
+        valid[1] = torch.arange(case.seq_len) < 2
+        bias = torch.where(valid, 0.5 * torch.randn(2, case.seq_len, generator=gen), float("-inf"))
+        masked = {}
+        for kind, mask in (("bool", valid), ("float", bias)):
+            ref_masked = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=case.scale)
+            per_rank = F.pad(mask, (0, s_pad - case.seq_len)).view(2, case.cp, case.s_local).transpose(0, 1)
+            got_masked = CPA.cp_attention(
+                ql, kl, vl, groups=g, seq_len=case.seq_len, scale=case.scale, key_masks=per_rank
+            )
+            masked[kind] = (
+                (got_masked[:, :, :real] - ref_masked[:, :, lo : lo + real]).abs().max().item() if real else 0.0
+            )
+            masked[f"{kind}-ignored"] = (
+                (got[:, :, :real] - ref_masked[:, :, lo : lo + real]).abs().max().item() if real else 0.0
+            )
         # the rows the test gathers: all real rows of this replica, assembled in cp-rank order
         cp_ranks = [replica * case.cp + i for i in range(case.cp)]
         gathered = [torch.empty_like(got) for _ in range(world)]
@@ -169,6 +189,7 @@ def _worker(rank: int, world: int) -> dict[str, dict[str, Any]]:
             "violations": list(checker.violations),
             "sdpa_key_lens": sdpa_calls,
             "kernel_blocks": blocks_seen,
+            "masked": masked,
         }
     return out
 
@@ -219,6 +240,18 @@ def test_ring_blocks_run_on_the_fused_kernel(results: list[dict[str, dict[str, A
             real = max(0, min(case.ulysses * case.s_local, case.seq_len - lo))
             want += [real] if real else []
         assert res[case.name]["kernel_blocks"] == want, (rank, res[case.name]["kernel_blocks"], want)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_key_masks_travel_with_the_keys(results: list[dict[str, dict[str, Any]]], case: Case) -> None:
+    """A mask over the keys (bool, and a float bias with -inf), given as each CP rank's mask over its own key rows,
+    equals SDPA with the whole mask, also where every key of a block is masked for a batch row; ignoring the mask
+    (the unmasked result) is wrong, so the test sees it."""
+    for rank, res in enumerate(results):
+        masked = res[case.name]["masked"]
+        assert masked["bool"] <= 1e-5 and masked["float"] <= 1e-5, (rank, masked)
+    assert max(res[case.name]["masked"]["bool-ignored"] for res in results) > 1e-3
+    assert max(res[case.name]["masked"]["float-ignored"] for res in results) > 1e-3
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.s_local * c.cp > c.seq_len], ids=lambda c: c.name)

@@ -14,6 +14,7 @@ from torch import nn
 from preshard.converter.convert import convert_checkpoint
 from preshard.errors import PlanError
 from preshard.format.manifest import read_manifest
+from preshard.format.plan import Plan
 from preshard.plans.from_model import plan_from_model, plan_from_model_class
 
 TOL = 1e-5  # float32; measured max abs diff is ~1e-6
@@ -230,3 +231,128 @@ def test_the_builtin_minimax_plan_carries_the_cp_plan_the_class_declares():
     from preshard.plans.registry import load_plan
 
     assert load_plan("minimax-h3").cp_plan == cp_plan_from_diffusers(MiniMaxH3Transformer3DModel._cp_plan)
+
+
+def _builtin_plan_cases():
+    """(what, plan, class name, model on meta) for every built-in plan and class: the class defaults, every
+    published config (`examples.published`: the full-size checkpoints) and the variants the tests build (Wan I2V's
+    image attention, SkyReels-V2, ChronoEdit, Wan VACE, LTX-2.3's gates, SD 3.5 Medium's second attention, the
+    tiny HunyuanVideo/Image and Cosmos), each config as its checkpoint's config.json gives it."""
+    import diffusers
+    import tiny_builtin
+    import tiny_diffusers
+
+    from preshard.examples.published import PUBLISHED
+    from preshard.plans.from_model import build_on_meta
+    from preshard.plans.registry import builtin_plan_names, load_plan
+
+    plans = {c: load_plan(n) for n in builtin_plan_names() for c in load_plan(n).model_classes}
+    configs = [(e.name, e.class_name, e.config) for e in PUBLISHED if e.class_name in plans]
+    configs += [(f"{c} defaults", c, {}) for c in plans if (c, {}) not in [(e[1], e[2]) for e in configs]]
+    for builders in (tiny_diffusers.BUILDERS, tiny_builtin.BUILDERS):
+        for name, builder in builders.items():
+            model = builder()[0]
+            if type(model).__name__ in plans:
+                configs.append((f"tiny {name}", type(model).__name__, dict(model.config)))
+    for what, class_name, config in configs:
+        with pytest.MonkeyPatch.context() as patch:  # initialising meta weights is most of building a model
+            patch.setattr(nn.Linear, "reset_parameters", lambda self: None)
+            model = build_on_meta(getattr(diffusers, class_name), config)
+        yield what, plans[class_name], class_name, model
+
+
+def test_builtin_plans_need_no_model_check_where_their_checkpoints_show_what_it_would(monkeypatch):
+    """Conversion skips the check of a plan against the model class (diffusers imported, the model built on the
+    meta device: ~2 CPU s) for a built-in plan made for the checkpoint's class whose tensors show nothing that
+    check would refuse (`vouched_for`). That is sound because of this: for every built-in plan, class and config
+    (`_builtin_plan_cases`), at every TP degree 1-16 and CP 1 or 2 where the checks made from the checkpoint alone
+    accept (the plan's splits, its `config_divisible` keys) and `vouched_for` skips, the model check accepts too.
+    The skip is not vacuous: it applies to every published checkpoint at every TP degree it converts at."""
+    from preshard.format.plan import check_tp, resolve_plan
+    from preshard.plans import from_model
+    from preshard.plans.registry import vouched_for
+
+    skipped, published = 0, set()
+    for what, plan, class_name, model in _builtin_plan_cases():
+        monkeypatch.setattr(from_model, "build_on_meta", lambda cls, config, model=model: model)
+        config = {"_class_name": class_name, **{k: v for k, v in model.config.items() if not k.startswith("_")}}
+        shapes = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
+        try:
+            layouts = resolve_plan(plan, shapes, 1, config=config)  # at any tp but for check_tp, below
+        except PlanError:
+            continue  # refused at every tp from the checkpoint alone (LTX-2's defaults: another rope_type)
+        vouched = {cp: vouched_for(plan, config, layouts, cp) for cp in (1, 2)}
+        for tp in range(1, 17):
+            try:
+                check_tp(plan, layouts, tp, config)  # what resolve_plan(plan, shapes, tp) checks last
+            except PlanError:
+                continue  # refused from the checkpoint alone
+            for cp in (1, 2):
+                if not vouched[cp]:
+                    continue
+                try:  # check_plan_against_model(plan, config, tp, cp), its CP part only once per tp
+                    (from_model.check_plan_against_model if cp == 1 else from_model.check_cp_plan)(
+                        plan, config, *((tp, 1) if cp == 1 else (cp,))
+                    )
+                except PlanError as exc:
+                    raise AssertionError(f"{plan.name} for {what}, tp={tp} cp={cp}: skipped, but {exc}") from None
+                skipped += 1
+                if not what.startswith(("tiny", class_name)) and cp == 1:
+                    published.add(what)
+            if not what.startswith(("tiny", class_name)):
+                assert vouched[1], f"{what} at tp={tp}: the model check is not skipped"
+    assert len(published) == 15 and skipped > 150, (sorted(published), skipped)
+
+
+def test_a_variant_the_plan_does_not_cover_is_still_checked_against_the_model():
+    """Negative control: Cosmos 2.5's image-context projections (q_img/k_img/v_img in the cross-attention whose
+    heads the plan divides) pass every check made from the checkpoint at tp=2, and only the model check refuses
+    them: the tensors show them, so `vouched_for` does not skip it. So are a norm rule on a module with a bias and
+    a CP mesh for a plan without its own CP plan (the class's `_cp_plan` decides)."""
+    import tiny_builtin
+    from diffusers import CosmosTransformer3DModel
+
+    from preshard.format.plan import resolve_plan
+    from preshard.plans.from_model import build_on_meta, check_plan_against_model
+    from preshard.plans.registry import load_plan, vouched_for
+
+    base = dict(tiny_builtin.BUILDERS["cosmos"]()[0].config)
+    for extra, vouched in (({}, True), ({"img_context_dim_in": 8, "img_context_dim_out": 48}, False)):
+        model = build_on_meta(CosmosTransformer3DModel, {**base, **extra})
+        config = {"_class_name": "CosmosTransformer3DModel", **{k: v for k, v in model.config.items() if k[0] != "_"}}
+        shapes = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
+        plan = load_plan("cosmos")
+        layouts = resolve_plan(plan, shapes, 2, config=config)
+        assert vouched_for(plan, config, layouts) is vouched
+        if not vouched:
+            with pytest.raises(PlanError, match="q_img is a Linear inside"):
+                check_plan_against_model(plan, config, 2)
+    wan = load_plan("wan")
+    square, row = ((8, 8), torch.float32), ((8,), torch.float32)
+    shapes = {
+        "blocks.0.attn1.to_q.weight": square, "blocks.0.attn1.to_k.weight": square,
+        "blocks.0.attn1.to_v.weight": square, "blocks.0.attn1.to_out.0.weight": square,
+        "blocks.0.attn1.norm_q.weight": row, "blocks.0.attn1.norm_k.weight": row,
+        "blocks.0.ffn.net.0.proj.weight": square, "blocks.0.ffn.net.2.weight": square,
+        "blocks.0.attn2.to_q.weight": square,
+    }  # fmt: skip
+    config = {"_class_name": "WanTransformer3DModel", "num_attention_heads": 2}
+    layouts = resolve_plan(wan, shapes, 2, config=config)
+    assert vouched_for(wan, config, layouts) and not vouched_for(wan, config, layouts, cp=2)
+    with_bias = {**shapes, "blocks.0.attn1.norm_q.bias": row}
+    assert not vouched_for(wan, config, resolve_plan(wan, with_bias, 2, config=config))
+    whole = {**shapes, "blocks.0.attn1.extra.weight": square}  # a Linear the plan leaves whole
+    assert not vouched_for(wan, config, resolve_plan(wan, whole, 2, config=config))
+    norm = {**shapes, "blocks.0.attn1.norm_x.weight": row}  # a norm across the split heads
+    assert not vouched_for(wan, config, resolve_plan(wan, norm, 2, config=config))
+
+
+def test_a_plan_file_or_another_class_is_still_checked_against_the_model():
+    from preshard.plans.registry import load_plan, vouched_for
+
+    plan = load_plan("minimax-h3")
+    assert vouched_for(plan, {"_class_name": "MiniMaxH3Transformer3DModel"}, {})
+    assert not vouched_for(plan, {"_class_name": "FluxTransformer2DModel"}, {})  # a built-in plan, another class
+    assert not vouched_for(plan, None, {})
+    edited = Plan.from_dict({**plan.to_dict(), "config_divisible": []}, origin="plan file p.json")
+    assert not vouched_for(edited, {"_class_name": "MiniMaxH3Transformer3DModel"}, {})  # not as shipped

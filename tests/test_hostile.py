@@ -360,9 +360,9 @@ def test_metadata_is_recorded_in_the_manifest_and_checked(ck):
     # Re-pickled with another protocol: the same content (torch's dcp.load would read it), other bytes.
     import pickle
 
-    from preshard.format.dcp_metadata import read_dcp_metadata
+    from preshard.format.dcp_metadata import dcp_metadata
 
-    (ck / DCP_METADATA_NAME).write_bytes(pickle.dumps(read_dcp_metadata(ck / DCP_METADATA_NAME), protocol=2))
+    (ck / DCP_METADATA_NAME).write_bytes(pickle.dumps(dcp_metadata(manifest), protocol=2))  # torch's own objects
     problems = verify_checkpoint(ck).problems
     assert problems == [f"{DCP_METADATA_NAME} differs from the one written with the checkpoint (size or xxh3_128)"]
     with pytest.raises(CorruptCheckpointError, match="differs from the one written"):

@@ -1,4 +1,4 @@
-"""The multi-rank launcher works under pytest with spawn: results, failures, hangs, no orphans."""
+"""The multi-rank launcher works under pytest: results, failures, hangs, no orphans, the parent's environment."""
 
 import multiprocessing
 import os
@@ -38,6 +38,14 @@ def _hang_on_rank_1(rank: int, world_size: int, pid_dir: str) -> int:
     return rank
 
 
+def _noop(rank: int, world_size: int) -> None:
+    return None
+
+
+def _environment(rank: int, world_size: int, key: str) -> tuple[str | None, int]:
+    return os.environ.get(key), os.getppid()
+
+
 def _assert_gone(pids: list[int]) -> None:
     assert multiprocessing.active_children() == []
     for pid in pids:
@@ -60,7 +68,25 @@ def test_all_reduce_on_two_ranks():
     _assert_gone([o["pid"] for o in out])
 
 
+def test_a_rank_has_the_parents_current_environment_and_forks_from_the_server_unless_imports_would_differ(
+    monkeypatch,
+):
+    if os.environ.get("PRESHARD_TEST_START") == "spawn":
+        pytest.skip("PRESHARD_TEST_START=spawn: every rank is spawned")
+    monkeypatch.setenv("SOME_TEST_VALUE", "set after the server started")
+    run_ranks(_noop, 1)  # the forkserver is running from here on
+    monkeypatch.setenv("SOME_TEST_VALUE", "changed since")
+    [(value, parent)] = run_ranks(_environment, 1, "SOME_TEST_VALUE")
+    assert value == "changed since"  # the parent's environment now, not the server's at its start
+    assert parent != os.getpid()  # forked by the forkserver
+    # A variable huggingface_hub reads at import: the server's import would be stale, so the rank is spawned.
+    monkeypatch.setenv("HF_HUB_CACHE", "/nonexistent/elsewhere")
+    [(value, parent)] = run_ranks(_environment, 1, "HF_HUB_CACHE")
+    assert value == "/nonexistent/elsewhere" and parent == os.getpid()
+
+
 def test_a_failing_rank_surfaces_its_traceback():
+    run_ranks(_noop, 1)  # the forkserver's one-time start (imports) is not what this test times
     start = time.monotonic()
     with pytest.raises(RankFailure) as info:
         run_ranks(_raise_on_rank_1, 2, timeout=60)
@@ -74,6 +100,7 @@ def test_a_failing_rank_surfaces_its_traceback():
 
 def test_a_hanging_rank_is_killed_at_the_timeout(tmp_path):
     # 15 s: a spawned rank imports torch before it runs, which takes several seconds on a loaded 2-core machine.
+    run_ranks(_noop, 1)
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=r"ranks \[1\] of 2 did not finish within 15 s"):
         run_ranks(_hang_on_rank_1, 2, str(tmp_path), timeout=15)

@@ -254,6 +254,40 @@ def test_unshard_rebuilds_the_multi_file_source_bit_for_bit(tmp_path, converted,
         assert torch.equal(f.get_tensor(name), _state_dict(source)[name])
 
 
+@pytest.mark.parametrize("threads, band", [(1, 1 << 30), (1, 700), (4, 700), (4, 1 << 30)])
+def test_unshard_in_parallel_writes_what_one_thread_writes(
+    threads, band, tmp_path, converted, tiny_sources, monkeypatch
+):
+    """Files rebuilt at once (each with a reader thread assembling bands ahead), or one after another; bands of
+    whole tensors or of a few rows: the same files, byte for byte, which are the source's."""
+    from preshard.tools import unshard as unshard_module
+
+    source = tiny_sources("mixed")
+    serial = tmp_path / "serial"
+    monkeypatch.setattr(unshard_module, "FILE_THREADS", 1)
+    monkeypatch.setattr(unshard_module, "READ_AHEAD", 0)
+    unshard_checkpoint(converted("mixed", 4), serial, progress=False)
+    monkeypatch.setattr(unshard_module, "FILE_THREADS", threads)
+    monkeypatch.setattr(unshard_module, "READ_AHEAD", 2)
+    monkeypatch.setattr(unshard_module, "BAND_BYTES", band)
+    unshard_checkpoint(converted("mixed", 4), tmp_path / "parallel", progress=False)
+    _assert_same_files(tmp_path / "parallel", serial)
+    _assert_same_files(serial, source)
+
+
+def test_a_damaged_file_stops_the_others_and_commits_nothing(tmp_path, converted, private_copy, monkeypatch):
+    """With files rebuilt at once, a damaged chunk in one stops them all; its error is the one raised."""
+    from preshard.tools import unshard as unshard_module
+
+    monkeypatch.setattr(unshard_module, "BAND_BYTES", 700)  # many bands: the others are still writing
+    checkpoint = private_copy(converted("mixed", 2))
+    tensor = "transformer_blocks.1.ff.net.2.weight"
+    _damage(checkpoint, tensor, "data")
+    with pytest.raises(ChecksumMismatch, match=f"tensor {tensor}"):
+        unshard_checkpoint(checkpoint, tmp_path / "src", progress=False)
+    assert not (tmp_path / "src").exists() and not (tmp_path / ".src.partial").exists()
+
+
 def test_unshard_keeps_the_index_bytes_as_they_were(tmp_path, tiny_sources):
     """A Windows-written index (CRLF, no trailing newline) comes back byte for byte, not with LF line endings."""
     from preshard import convert_checkpoint

@@ -1,8 +1,14 @@
 """The video families with built-in plans: Wan (T2V, I2V, each Wan 2.2 expert), SkyReels-V2, ChronoEdit, Wan VACE and
-LTX-2 (video and audio) convert with no --plan and, loaded on 2 gloo ranks (Wan and LTX-2 also on tp=2 x ulysses=2
-and tp=2 x ring=2), compute the unsharded model's function; the q/k norms across all heads run as tp_rms_norm, and
-without its all-reduce the output is wrong; a compiled (fullgraph) tp=2 Wan equals eager; and what cannot work is
-refused at conversion in one line naming the module or the TP degrees that do."""
+LTX-2 (video and audio) convert with no --plan and, loaded on 2 gloo ranks (and on tp=2 x ulysses=2 and tp=2 x ring=2),
+compute the unsharded model's function; the q/k norms across all heads run as tp_rms_norm, and without its all-reduce
+the output is wrong; a compiled (fullgraph) tp=2 Wan equals eager; and what cannot work is refused at conversion in
+one line naming the module or the TP degrees that do.
+
+Under CP every family also runs at lengths the CP size does not divide: 9 video tokens (3 x 1 x 3) for the Wan
+family (SkyReels-V2 also with diffusion forcing's per-frame timesteps), and for LTX-2 15 video and 7 audio tokens
+with per-token timesteps, so the audio-to-video and video-to-audio attentions attend between sequences of
+different lengths, each padded on its own (LTX-2.3 also with spatio-temporal guidance, whose perturbed blocks skip
+attention). Negative control: with the padded key rows kept, LTX-2's output is wrong."""
 
 from __future__ import annotations
 
@@ -107,6 +113,52 @@ def _rank_tp(rank: int, world: int, checkpoints: dict[str, str]) -> dict:
     return results
 
 
+UNEVEN_VIDEO = (3, 2, 6)  # Wan family: latent frames, height, width -> 3 x 1 x 3 = 9 tokens (patch 1, 2, 2)
+UNEVEN_TOKENS = 9
+LTX_UNEVEN = (15, 7)  # LTX-2 video tokens (1 x 3 x 5) and audio tokens
+
+
+def uneven(name: str, inputs: dict, variant: str = "") -> dict:
+    """`inputs` at lengths CP size 2 does not divide; variants: "df" (SkyReels-V2 diffusion forcing, a timestep
+    per frame), "stg" (LTX-2.3 spatio-temporal guidance at block 0: its self-attentions skip SDPA)."""
+    g = torch.Generator().manual_seed(60)
+    out = dict(inputs)
+    if name.startswith("ltx"):
+        video, audio = LTX_UNEVEN
+        out.update(
+            hidden_states=torch.randn(1, video, 4, generator=g),
+            audio_hidden_states=torch.randn(1, audio, 4, generator=g),
+            timestep=1000 * torch.rand(1, video, generator=g), audio_timestep=1000 * torch.rand(1, audio, generator=g),
+            num_frames=1, height=3, width=5, audio_num_frames=audio,
+        )  # fmt: skip
+        if variant == "stg":
+            out["spatio_temporal_guidance_blocks"] = [0]
+        return out
+    out["hidden_states"] = torch.randn(1, inputs["hidden_states"].shape[1], *UNEVEN_VIDEO, generator=g)
+    if "control_hidden_states" in inputs:
+        out["control_hidden_states"] = torch.randn(1, 6, *UNEVEN_VIDEO, generator=g)
+    if variant == "df":
+        out.update(timestep=torch.tensor([[500.0, 400.0, 300.0]]), enable_diffusion_forcing=True)
+    return out
+
+
+UNEVEN_VARIANTS = {"skyreels_v2": ("", "df"), "ltx23": ("", "stg")}
+
+
+def _keeping_padded_keys():
+    """Negative control: CP attention that lets the padded key rows into the softmax."""
+    from preshard.runtime import cp, cp_attention
+
+    def attention(query, key, value, *, groups, key_layout, scale=None, key_masks=None):
+        return cp_attention._cp_attention(
+            query, key, value, groups=groups, layout=tuple(key_layout), scale=scale, local_attention=None,
+            drop_padding=False, key_masks=key_masks,
+        )  # fmt: skip
+
+    original, cp.cp_attention = cp.cp_attention, attention
+    return lambda: setattr(cp, "cp_attention", original)
+
+
 def _rank_cp(rank: int, world: int, checkpoints: dict[str, str], runs: list[tuple[str, int, int]]) -> dict:
     from tiny_diffusers import build
 
@@ -120,7 +172,32 @@ def _rank_cp(rank: int, world: int, checkpoints: dict[str, str], runs: list[tupl
             reference = _outputs(model, inputs)
             net = load_sharded(type(model), checkpoints[name], ulysses=ulysses, ring=ring)
             results[(name, ulysses, ring)] = _result(net, _outputs(net, inputs), reference)
+            for variant in UNEVEN_VARIANTS.get(name, ("",)):
+                odd = uneven(name, inputs, variant)
+                results[(name, ulysses, ring, "uneven", variant)] = _result(
+                    net, _outputs(net, odd), _outputs(model, odd)
+                )
+            if name == "ltx2":
+                odd = uneven(name, inputs)
+                restore = _keeping_padded_keys()
+                try:
+                    results[(name, ulysses, ring, "padded keys")] = _diff(_outputs(net, odd), _outputs(model, odd))
+                finally:
+                    restore()
+            if name == "skyreels_v2":  # asynchronous diffusion forcing: a mask by query and key position
+                for m in (model, net):
+                    m._set_ar_attention(2)
+                results[(name, ulysses, ring, "causal")] = _error(lambda net=net, inputs=inputs: _outputs(net, inputs))
+                assert _outputs(model, inputs)  # the unsharded model runs it
     return results
+
+
+def _error(fn) -> str | None:
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - reported to the parent test
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 @pytest.fixture(scope="module")
@@ -129,8 +206,8 @@ def tp2(checkpoints):
 
 
 CP_RUNS = [
-    ("wan", 2, 1), ("wan_i2v", 2, 1), ("chronoedit", 2, 1), ("ltx2", 2, 1), ("ltx23", 2, 1), ("wan", 1, 2),
-    ("ltx2", 1, 2),
+    ("wan", 2, 1), ("wan_i2v", 2, 1), ("chronoedit", 2, 1), ("skyreels_v2", 2, 1), ("wan_vace", 2, 1),
+    ("ltx2", 2, 1), ("ltx23", 2, 1), ("wan", 1, 2), ("skyreels_v2", 1, 2), ("ltx2", 1, 2),
 ]  # fmt: skip
 
 
@@ -165,7 +242,7 @@ def test_the_plans_come_from_the_builtin_files_with_the_norms_split_like_the_hea
     for leaf in ("add_k_proj.weight", "add_v_proj.weight", "norm_added_k.weight"):
         assert i2v.tensors[f"blocks.0.attn2.{leaf}"].layout.shard_dim == 0, leaf
     assert i2v.tensors["blocks.0.attn2.norm_added_q.weight"].layout.style.name == "replicate"  # kept, not loaded
-    assert read_manifest(checkpoints["skyreels_v2"]).plan.name == "wan"
+    assert read_manifest(checkpoints["skyreels_v2"]).plan.name == "skyreels-v2"
     assert read_manifest(checkpoints["chronoedit"]).plan.name == "wan"
     vace = read_manifest(checkpoints["wan_vace"])
     assert vace.plan.name == "wan-vace" and vace.tensors["vace_blocks.1.attn1.to_q.weight"].layout.shard_dim == 0
@@ -228,7 +305,40 @@ def test_tp2_cp2_forward_equals_unsharded_with_the_cp_hooks_in_place(tp2_cp2, ru
             assert result["rows"][f"{prefix}.{attn}"] == VIDEO_TOKENS // 2  # this rank's half of the rows
         for attn in local:
             assert not any(h.startswith("cp: attention") for h in _hooks(result, f"{prefix}.{attn}")), attn
-        assert any(h.startswith("cp: all-gather output") for h in _hooks(result, "proj_out"))
+        gathered = "norm_out" if name == "skyreels_v2" else "proj_out"  # before SkyReels' per-token modulation
+        assert any(h.startswith("cp: all-gather output") for h in _hooks(result, gathered))
+
+
+@pytest.mark.parametrize("run", CP_RUNS, ids=lambda r: f"{r[0]}-ulysses{r[1]}-ring{r[2]}")
+def test_tp2_cp2_at_lengths_the_cp_size_does_not_divide(tp2_cp2, run):
+    name, ulysses, ring = run
+    for rank in tp2_cp2:
+        for variant in UNEVEN_VARIANTS.get(name, ("",)):
+            result = rank[(*run, "uneven", variant)]
+            assert result["shapes"] and result["diff"] <= TOL, (variant, result["diff"])
+            rows = result["rows"]
+            if name.startswith("ltx"):  # queries: this rank's 8 of 15 video rows, or its 4 of 7 audio rows
+                video, audio = (-(-n // 2) for n in LTX_UNEVEN)
+                want = {n: video if n.endswith((".attn1", ".audio_to_video_attn")) else audio for n in rows}
+                assert len(rows) == 4 * BLOCKS and rows == want, rows
+            else:
+                assert set(rows.values()) == {-(-UNEVEN_TOKENS // 2)}, rows
+                assert len(rows) == BLOCKS * (2 if name == "wan_vace" else 1)  # VACE: its control blocks too
+
+
+def test_ltx2_with_the_padded_key_rows_kept_is_wrong(tp2_cp2):
+    for rank in tp2_cp2:
+        for run in [r for r in CP_RUNS if r[0] == "ltx2"]:
+            assert rank[(*run, "padded keys")] > 1e-3, rank[(*run, "padded keys")]
+            assert rank[(*run, "uneven", "")]["diff"] <= TOL
+
+
+def test_skyreels_causal_blocks_are_refused_under_cp_in_one_line(tp2_cp2):
+    for rank in tp2_cp2:
+        for run in [r for r in CP_RUNS if r[0] == "skyreels_v2"]:
+            error = rank[(*run, "causal")]
+            assert error is not None and error.startswith("UsageError") and "\n" not in error, error
+            assert "blocks.0.attn1 got an attention mask of shape (1, 1, 8, 8)" in error, error
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -305,9 +415,8 @@ def test_a_class_without_any_plan_is_refused_naming_the_module_that_blocks_it(tm
         convert_checkpoint(source, tmp_path / "out", tp=2, progress=False)
 
 
-def test_skyreels_has_no_cp_plan_so_a_cp_mesh_is_refused_at_conversion(checkpoints, tmp_path):
-    source = save(build("skyreels_v2")[0], tmp_path / "sky")
-    with pytest.raises(
-        PlanError, match=r"plan wan has no cp_plan and SkyReelsV2Transformer3DModel declares no _cp_plan"
-    ):
-        convert_checkpoint(source, tmp_path / "out", tp=2, ulysses=2, progress=False)
+def test_skyreels_and_vace_have_cp_plans_of_their_own(checkpoints):
+    sky = read_manifest(checkpoints["skyreels_v2"]).plan
+    assert sky.cp_plan and "norm_out" in sky.cp_plan and sky.cp_plan["blocks.*"].split_inputs["temb"].dim == 2
+    vace = read_manifest(checkpoints["wan_vace"]).plan
+    assert vace.cp_plan and "control_hidden_states" in vace.cp_plan["vace_blocks.0"].split_inputs

@@ -1,13 +1,21 @@
 """Run a function on N local ranks over real gloo process groups, for multi-rank tests.
 
-`run_ranks(fn, world_size, *args)` starts one "spawn" process per rank with the environment torchrun
-would give it, calls `fn(rank, world_size, *args)` there and returns the per-rank results in rank
-order. A rank that raises fails the call with that rank's traceback; a rank that hangs is killed
-at the timeout and named. No child outlives the call, whatever happens.
+`run_ranks(fn, world_size, *args)` starts one process per rank with the environment torchrun would
+give it (the parent's current environment plus torchrun's variables), calls `fn(rank, world_size, *args)`
+there and returns the per-rank results in rank order. A rank that raises fails the call with that rank's
+traceback; a rank that hangs is killed at the timeout and named. No child outlives the call, whatever
+happens.
 
 `fn` must be a top-level function of an importable module (a test module is fine: the child puts
 the directory of `fn`'s module on sys.path before unpickling it). Inside `fn`, call `init_gloo()`
 to join the process group; the worker destroys it afterwards.
+
+Ranks are forked from a forkserver that has imported torch, diffusers and preshard once: a rank that
+imported them itself ("spawn") spent about 7 CPU s doing so, most of a small multi-rank test's cost on a
+2-core machine. What a forked rank would inherit rather than read itself is the state those modules built
+at import from the environment (huggingface_hub's cache paths, torch's and XLA's settings); so a call whose
+import-time variables differ from the forkserver's (a test pointing HF_HUB_CACHE elsewhere, say) starts
+spawned ranks instead. PRESHARD_TEST_START=spawn spawns every rank.
 """
 
 from __future__ import annotations
@@ -25,6 +33,35 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+# Modules the forkserver imports once for every rank it forks.
+_PRELOAD = ["torch", "torch.distributed", "numpy", "safetensors", "diffusers", "preshard", "preshard.runtime.load"]
+# Environment variables these modules (or what they import) read when imported.
+_IMPORT_TIME_PREFIXES = (
+    "HF_", "HUGGINGFACE_", "DIFFUSERS_", "TRANSFORMERS_", "TORCH", "PJRT_", "XLA_", "TPU_", "CUDA_", "OMP_",
+    "MKL_", "KMP_", "PYTHON", "PRESHARD_",
+)  # fmt: skip
+_forkserver_env: dict[str, str] | None = None  # the import-time variables the forkserver started with
+
+
+def _import_time_env(environ: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in environ.items() if k.startswith(_IMPORT_TIME_PREFIXES)}
+
+
+def _start_context(environ: dict[str, str]):
+    """The forkserver when it imported under the same import-time environment as this call's, else spawn."""
+    global _forkserver_env
+    wanted = _import_time_env(environ)
+    if os.environ.get("PRESHARD_TEST_START") == "spawn":
+        return get_context("spawn")
+    if _forkserver_env is None:
+        if wanted != _import_time_env(dict(os.environ)):
+            return get_context("spawn")
+        # Started at its first use, by this process, with this process's environment.
+        _forkserver_env = wanted
+        get_context("forkserver").set_forkserver_preload(_PRELOAD)
+    return get_context("forkserver") if wanted == _forkserver_env else get_context("spawn")
+
 
 # After the first rank fails, wait this long for the others' reports before killing them: a second
 # traceback can help, but ranks blocked in a collective on the failed rank would never report.
@@ -56,6 +93,7 @@ def _worker(
     payload: bytes,
     conn: connection.Connection,
 ) -> None:
+    os.environ.clear()  # exactly the parent's environment, as a spawned rank would have it
     os.environ.update(environ)
     for path in reversed(extra_paths):
         if path not in sys.path:
@@ -101,7 +139,9 @@ def run_ranks(
     name = getattr(fn, "__qualname__", repr(fn))
     payload = pickle.dumps((fn, args))  # fails here, in the parent, if fn or args cannot be pickled
     extra_paths = _module_dirs(fn) + [os.path.dirname(os.path.abspath(__file__))]
-    ctx = get_context("spawn")
+    base = dict(os.environ)
+    base.update({k: str(v) for k, v in (env or {}).items()})
+    ctx = _start_context(base)
     port = free_port()
 
     procs = []
@@ -111,14 +151,15 @@ def run_ranks(
     try:
         for rank in range(world_size):
             environ = {
+                **base,
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(port),
                 "RANK": str(rank),
                 "WORLD_SIZE": str(world_size),
                 "LOCAL_RANK": str(rank),
                 "LOCAL_WORLD_SIZE": str(world_size),
+                **{k: str(v) for k, v in (env or {}).items()},
             }
-            environ.update({k: str(v) for k, v in (env or {}).items()})
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=_worker,

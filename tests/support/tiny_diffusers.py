@@ -147,7 +147,7 @@ def _wan_vace():
 
 
 # LTX-2: video 4 heads of 8, audio 4 heads of 4, split rotary tables as the published configs, 8 video tokens
-# (2x2x2 latent) and 8 audio tokens (equal lengths: CP attention between the streams needs them so on this branch).
+# (2x2x2 latent) and 8 audio tokens (the CP tests also run other, unequal lengths: test_video_plans.uneven).
 LTX2_VIDEO, LTX2_AUDIO = 8, 8
 
 

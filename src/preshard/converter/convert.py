@@ -12,6 +12,7 @@ folder, lock, journal and commit are `workdir`'s.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import hashlib
 import json
@@ -40,8 +41,9 @@ from preshard.converter.workdir import (
 from preshard.converter.writer import RecordFileWriter, stage_bytes
 from preshard.errors import MismatchError, PreshardError, ResourceError, UsageError
 from preshard.format import slicing
+from preshard.format.dcp_metadata import dcp_metadata_bytes, write_dcp_metadata
 from preshard.format.dtypes import dtype_name, parse_cast
-from preshard.format.jsonio import fsync_file, write_json_atomic
+from preshard.format.jsonio import dumps_indented, fsync_file, write_text_atomic
 from preshard.format.layout import ChunkRecord, FileLayout, TensorLayout, data_file_name, place_records
 from preshard.format.manifest import (
     CONFIG_NAME,
@@ -57,7 +59,7 @@ from preshard.format.mesh import MeshSpec
 from preshard.format.plan import Plan, resolve_plan
 from preshard.format.torch_record import RECORD_FRAMING_VERSION
 from preshard.plans.from_model import check_plan_against_model
-from preshard.plans.registry import choose_plan
+from preshard.plans.registry import choose_plan, vouched_for
 from preshard.progress import Progress
 from preshard.sources import ConversionSource, SourceRows, open_source
 
@@ -105,10 +107,11 @@ class ConversionPlan:
     def output_bytes(self) -> int:
         return sum(self.files.file_sizes)
 
-    @property
+    @functools.cached_property
     def band_bytes(self) -> int:
         """The band size: `slicing.BAND_BYTES`, but no more than a quarter of the largest tensor (at least 1 MiB),
-        so that the bands in flight and their buffers stay about the size of the largest tensor, however small."""
+        so that the bands in flight and their buffers stay about the size of the largest tensor, however small.
+        Computed once (a max over every tensor: asked once per tensor, it made planning quadratic)."""
         largest = max((layout.shape_bytes(source=True) for layout in self.layouts.values()), default=0)
         return min(slicing.BAND_BYTES, max(1 << 20, largest // 4))
 
@@ -191,7 +194,8 @@ def plan_conversion(
     """Resolve source, plan, mesh and layout without writing anything (what a dry run shows).
 
     `check_model`: also check the plan's attention rules against the model class (which imports diffusers and
-    builds the model on the meta device: seconds); `convert_checkpoint` does that while it converts instead.
+    builds the model on the meta device: seconds), unless the plan is a built-in one made for that class
+    (`vouched_for`); `convert_checkpoint` does that while it converts instead.
     `loras`: LoRAs to fuse into the weights as they are read (`preshard.converter.lora`).
     """
     cast = parse_cast(dtype)
@@ -205,7 +209,9 @@ def plan_conversion(
         src = with_loras(src, loras, token=token)
     chosen = choose_plan(plan, src.config)
     layouts = resolve_plan(chosen, src.shapes(), mesh.tp, cast=cast, config=src.config or {})
-    if check_model:
+    if mesh.cp > 1:
+        chosen.check_cp_config(src.config)  # from config.json alone: also where the model check is skipped
+    if check_model and not vouched_for(chosen, src.config, layouts, mesh.cp):
         check_plan_against_model(chosen, src.config, mesh.tp, mesh.cp)
     order = src.read_order()
     files = place_records([layouts[name] for name in order], mesh.tp)
@@ -333,8 +339,9 @@ def write_conversion(
     With a `coordinator` this process writes its share of the data files and the lowest rank takes the lock,
     journals and commits (see `parallel`). `external_stop()` returning a signal number stops it as that
     signal would (a launcher relays signals this way). `check_model`: check the plan against the model class
-    (`check_plan_against_model`) on a thread while converting, and commit only if it passes. `outcome` (the lowest
-    rank's) is told what a resume kept.
+    (`check_plan_against_model`) on a thread while converting, and commit only if it passes (not needed for a
+    built-in plan made for the checkpoint's class: `vouched_for`). `outcome` (the lowest rank's) is told what a
+    resume kept.
     """
     coord = coordinator or Coordinator()
     with ExitStack() as stack:
@@ -357,7 +364,10 @@ def write_conversion(
             )
         stop = stack.enter_context(deferred_signals())
         stop.check()  # a signal that came before, its exception swallowed (numpy's import does): stop before writing
-        background = _Background(check_model and coord.rank == 0, job)
+        check = (
+            check_model and coord.rank == 0 and not vouched_for(job.plan, job.source.config, job.layouts, job.mesh.cp)
+        )
+        background = _Background(check, job)
         conversion = _Conversion(job, output, coord, _stop_check(stop, external_stop, background), overwrite)
         conversion.outcome = outcome
         return conversion.run(progress)
@@ -391,9 +401,8 @@ def _gc_paused() -> Iterator[None]:
 
 class _Background:
     """What the lowest rank does on a thread while it converts: check the plan against the model class
-    (`check_plan_against_model`: imports diffusers and builds the model on the meta device, seconds of CPU) and
-    import what the commit needs (torch's DCP, for .metadata). `poll` raises the check's error as soon as it
-    failed; `result` waits for it."""
+    (`check_plan_against_model`: imports diffusers and builds the model on the meta device, seconds of CPU).
+    `poll` raises the check's error as soon as it failed; `result` waits for it (watching for a signal)."""
 
     def __init__(self, check_model: bool, job: ConversionPlan) -> None:
         self._check = (job.plan, job.source.config, job.mesh.tp, job.mesh.cp) if check_model else None
@@ -401,15 +410,13 @@ class _Background:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        if self._thread is None:
+        if self._thread is None and self._check is not None:
             self._thread = threading.Thread(target=self._run, name="check model", daemon=True)
             self._thread.start()
 
     def _run(self) -> None:
         try:
-            if self._check is not None:
-                check_plan_against_model(*self._check)
-            import preshard.format.dcp_metadata  # noqa: F401
+            check_plan_against_model(*self._check)
         except BaseException as exc:  # noqa: BLE001 - raised by poll/result in the calling thread
             self._error = exc
 
@@ -417,9 +424,12 @@ class _Background:
         if self._thread is not None and not self._thread.is_alive() and self._error is not None:
             raise self._error
 
-    def result(self) -> None:
+    def result(self, check_stop=None) -> None:
         self.start()
-        self._thread.join()
+        while self._thread is not None and self._thread.is_alive():
+            self._thread.join(0.1)
+            if check_stop is not None:
+                check_stop()
         if self._error is not None:
             raise self._error
 
@@ -502,7 +512,7 @@ class _Conversion:
                 error = exc
         shared = self.coord.exchange(shared, error)[0]
         self.done = {
-            name: [replace(c, xxh3_64=s) for c, s in zip(job.files.chunks[name], sums)] for name, sums in shared.items()
+            name: [_with_checksum(c, s) for c, s in zip(job.files.chunks[name], sums)] for name, sums in shared.items()
         }
         error = None
         try:
@@ -551,7 +561,7 @@ class _Conversion:
                 start_band=self.reader.start_band,
                 finish_band=self.reader.finish_band,
                 writers=self.writers,
-                work=_tasks(job, self.reader, done, self.mine, hashed),
+                work=_tasks(job, self.reader, done, self.mine, hashed, self.check_stop),
                 points=points,
                 exchange=exchange,
                 journal=claim,
@@ -579,27 +589,22 @@ class _Conversion:
         error = manifest = None
         if self.coord.rank == 0:
             try:
-                self.check_stop.background.result()
-                self.check_stop()
+                self.check_stop()  # (which also raises a failed model check)
+                self.check_stop.background.result(self.check_stop)
                 job.source.check_unchanged(self.identity)
                 checksums = {k: v for part, _ in gathered for k, v in part.items()}
                 source_hashes = {k: v for _, part in gathered for k, v in part.items()}
-                records = dict(self.done)
-                for name, by_position in self.sums.items():
-                    chunks = job.files.chunks[name]
-                    records[name] = [replace(c, xxh3_64=by_position[i]) for i, c in enumerate(chunks)]
                 files = [checksums[data_file_name(r)] for r in range(job.mesh.tp)]
-                manifest = _manifest(job, records, files, source_hashes, self.config_bytes)
+                manifest, text, metadata = in_thread(
+                    lambda: self._final_files(files, source_hashes), self.check_stop
+                )  # seconds for 100 000 tensors: a signal is acted on meanwhile
                 if self.config_bytes is not None:
                     (work / CONFIG_NAME).write_bytes(self.config_bytes)
                     fsync_file(work / CONFIG_NAME)
-                from preshard.format.dcp_metadata import write_dcp_metadata
-
-                metadata = write_dcp_metadata(work, manifest)
-                manifest = replace(manifest, metadata=FileRecord.of(DCP_METADATA_NAME, metadata)).sealed()
+                write_dcp_metadata(work, manifest, metadata)
                 for name in ("journal.jsonl", "job.json"):
                     (work / name).unlink(missing_ok=True)
-                write_json_atomic(work / MANIFEST_NAME, manifest.to_dict())
+                write_text_atomic(work / MANIFEST_NAME, text)
                 self.check_stop()
                 commit(work, self.output)
             except BaseException as exc:
@@ -608,6 +613,49 @@ class _Conversion:
         if manifest is None:
             manifest = read_manifest(self.output)
         return manifest
+
+    def _final_files(self, files: list[str], source_hashes: dict[str, str]) -> tuple[Manifest, str, bytes]:
+        """The manifest (recording `.metadata`'s size and hash), its JSON text and the DCP metadata (everything in
+        memory, nothing written)."""
+        job = self.job
+        records = dict(self.done)
+        for name, by_position in self.sums.items():
+            records[name] = [_with_checksum(c, by_position[i]) for i, c in enumerate(job.files.chunks[name])]
+        manifest = _manifest(job, records, files, source_hashes, self.config_bytes)
+        metadata = dcp_metadata_bytes(manifest)  # of the tensors alone: the manifest records its size and hash
+        manifest, data = replace(manifest, metadata=FileRecord.of(DCP_METADATA_NAME, metadata)).sealed_dict()
+        return manifest, dumps_indented(data) + "\n", metadata
+
+
+def in_thread(fn, check_stop, poll_s: float = 0.1):
+    """`fn()` computed on a helper thread while this one watches `check_stop` (so that a signal is acted on within
+    `poll_s` however long `fn` runs, as long as it only computes); its result, or its exception.
+
+    Raises:
+        Whatever `check_stop` raises (the helper is left to finish on its own: it writes nothing), or `fn` raised.
+    """
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, fn()))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the calling thread
+            outcome.append((False, exc))
+
+    thread = threading.Thread(target=run, name="compute", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(poll_s)
+        check_stop()
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
+
+
+def _with_checksum(c: ChunkRecord, xxh3_64: str) -> ChunkRecord:
+    """`replace(c, xxh3_64=...)` in a fifth of the time (once per chunk: 100 000s of them)."""
+    return ChunkRecord(c.tensor, c.owner, c.box, c.file, c.offset, c.framing, xxh3_64)
 
 
 def _adopt(work: Path, done: dict[str, list[ChunkRecord]], mine: set[str]) -> dict[str, RecordFileWriter]:
@@ -638,11 +686,16 @@ def _hashed_here(job: ConversionPlan, reader: SourceRows, coord: Coordinator, do
     return {f for i, f in enumerate(files) if (coord.rank == 0 if f in resumed else i % coord.world == coord.rank)}
 
 
-def _tasks(job: ConversionPlan, reader: SourceRows, done: dict, mine: set[str], hashed: set[str]) -> list[TensorWork]:
+def _tasks(
+    job: ConversionPlan, reader: SourceRows, done: dict, mine: set[str], hashed: set[str], check_stop=None
+) -> list[TensorWork]:
     """The tensors this process reads, in write order: those with chunks in its files, and, read whole for their
-    hash and proofs, the rest of the source files it hashes."""
+    hash and proofs, the rest of the source files it hashes. `check_stop` is called every few thousand tensors (a
+    signal stops a long plan too)."""
     tasks = []
     for index, name in enumerate(job.write_order):
+        if check_stop is not None and not index % 4096:
+            check_stop()
         if name in done:
             continue
         planned = job.files.chunks[name]
@@ -701,7 +754,7 @@ def _manifest(
         derived_from=getattr(job.source, "derived_from", None),
         preshard_version=__version__,
         created=created_now(),
-    ).sealed()
+    )
 
 
 __all__ = [

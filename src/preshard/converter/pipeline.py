@@ -2,13 +2,16 @@
 
 Threads (torch copies, xxhash and positional file I/O all release the GIL):
 
-- a reader reads the source in bands of rows, in file order, up to `BANDS_IN_FLIGHT` bands ahead of the
-  writers (the band budget: memory is that many bands, whatever the tensor sizes);
+- a reader reads the source in bands of rows, in file order, up to `BANDS_IN_FLIGHT` band buffers ahead of
+  the writers (the band budget: memory is that many bands, whatever the tensor sizes). Small bands (at most
+  `SMALL_BAND_BYTES`: the tensors of a checkpoint of many small ones) are read one after another into one
+  band buffer, a slab, and handed on together: the budget, the hand-offs between threads and the buffers
+  then count slabs, not tensors, and 100 000 tiny tensors cost what a few hundred bands do;
 - the calling thread cuts each band into pieces (views, no copies; a cast makes one copy) and hands
-  each piece to the writer of its data file; it also collects what the writers report and checks for
-  SIGINT/SIGTERM between bands;
+  each writer its pieces of a band (or slab) at once; it also collects what the writers report and checks
+  for SIGINT/SIGTERM between bands;
 - one writer per data file writes that file's records in file order (a stream of pieces, bounded by the
-  band budget); a band goes back to the pool when every writer is done with its pieces;
+  band budget); a band (slab) goes back to the pool when every writer is done with its pieces;
 - a journal thread claims finished tensors: at each sync point (a position in the write order, the same
   in every process) every writer makes its file durable, then the point is exchanged with the other
   processes (if any) and the lowest rank appends the tensors to the journal. Nothing is claimed before
@@ -33,12 +36,13 @@ import torch
 from preshard.converter.writer import RecordFileWriter
 from preshard.errors import ResourceError
 from preshard.format.layout import ChunkRecord, TensorLayout
-from preshard.format.slicing import Band, BufferPool, cast_band, cut_band, source_row_bytes
+from preshard.format.slicing import SMALL_BAND_BYTES, Band, BufferPool, cast_band, cut_band, source_row_bytes
 from preshard.sources.reader import band_buffer_bytes
 
 BANDS_IN_FLIGHT = 4
 READS_AHEAD = 2  # bands being read at once (a cold read keeps the device busy across band boundaries)
 POLL_S = 0.1  # how often a waiting thread looks at the stop flag
+SLAB_BANDS = 512  # small bands per slab at most, so that the writers start before a slab of tiny tensors is full
 _STOP = object()
 
 
@@ -60,11 +64,15 @@ class _Marker:
 
 @dataclass
 class _BandRef:
-    """A band's buffers, given back once every piece cut from it is written (or dropped)."""
+    """A band's (slab's) buffers, given back once every list of pieces cut from it is written (or dropped)."""
 
     remaining: int
     release: Callable[[], None]
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self) -> None:
+        with self.lock:
+            self.remaining += 1
 
     def done(self) -> None:
         with self.lock:
@@ -72,6 +80,34 @@ class _BandRef:
             last = self.remaining == 0
         if last:
             self.release()
+
+
+@dataclass
+class _Batch:
+    """What the reader hands on: one large band, or the small bands of one slab, read into `buffer`."""
+
+    items: list[tuple[TensorWork, Band, torch.Tensor]]  # (tensor, band, the band's rows)
+    buffer: torch.Tensor
+    small: bool
+
+
+class _Slab:
+    """Small bands read one after another into one band buffer."""
+
+    ALIGN = 64  # every band starts at a multiple of 64 bytes: aligned for any dtype (and for a cast's view)
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.buffer = buffer
+        self.used = 0
+        self.items: list[tuple[TensorWork, Band, torch.Tensor]] = []
+
+    def room(self, nbytes: int) -> bool:
+        return self.used + nbytes <= self.buffer.numel() and len(self.items) < SLAB_BANDS
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        view = self.buffer[self.used : self.used + nbytes]
+        self.used += nbytes + (-nbytes % self.ALIGN)
+        return view
 
 
 class _Failed(Exception):
@@ -82,10 +118,12 @@ class _Failed(Exception):
         self.error = error
 
 
-def _writer_loop(writer: RecordFileWriter, pieces: queue.Queue, events: queue.Queue, abort: threading.Event) -> None:
+def _writer_loop(
+    writer: RecordFileWriter, inbox: queue.SimpleQueue, events: queue.SimpleQueue, abort: threading.Event
+) -> None:
     failed = False
     while True:
-        item = pieces.get()
+        item = inbox.get()
         if item is _STOP:
             return
         if isinstance(item, _Marker):
@@ -97,18 +135,24 @@ def _writer_loop(writer: RecordFileWriter, pieces: queue.Queue, events: queue.Qu
                     failed = True
                     events.put(("error", exc))
             continue
-        piece, ref = item
+        pieces, ref = item
+        written, error = [], None
         try:
-            if not failed and not abort.is_set():  # once anything failed, nothing more is written
+            for piece in pieces:
+                if failed or abort.is_set():  # once anything failed, nothing more is written
+                    break
                 if piece.first:
                     writer.begin(piece.chunk)
                 writer.write(piece.data)
                 if piece.last:
-                    events.put(("chunk", writer.end()))
+                    written.append(writer.end())
         except BaseException as exc:  # noqa: BLE001
-            failed = True
-            events.put(("error", exc))
+            failed, error = True, exc
         finally:
+            if written:
+                events.put(("chunks", written))
+            if error is not None:
+                events.put(("error", error))
             ref.done()
 
 
@@ -117,8 +161,10 @@ class WritePipeline:
 
     Args:
         start_band, finish_band: `start_band(tensor, start, count, buffer)` starts reading source rows into the
-            flat uint8 `buffer` (of `band_buffer_bytes` of their size); `finish_band(started)` waits for them and
-            returns the view holding them (`SourceReader`; bands are finished in the order they were started).
+            flat uint8 `buffer` (of `band_buffer_bytes` of their size; for a band of at most `SMALL_BAND_BYTES`,
+            exactly its size: such bands are below `DIRECT_MIN_BYTES`, read through the page cache);
+            `finish_band(started)` waits for them and returns the view holding them (`SourceReader`; bands are
+            finished in the order they were started).
         writers: this process's data files, by file name.
         work: the tensors to read, in write order.
         points: sync points (write-order positions, ascending; the last is the job's last tensor to write).
@@ -159,10 +205,12 @@ class WritePipeline:
         self.on_bytes = on_bytes
         self.check_stop = check_stop
         self.budget = threading.BoundedSemaphore(bands_in_flight)
-        self.pool = BufferPool(keep=2 * bands_in_flight, minimum=band_buffer_bytes(band_bytes))  # fits any band
-        self.events: queue.Queue = queue.Queue()
-        self.bands: queue.Queue = queue.Queue()
-        self.jobs: queue.Queue = queue.Queue()  # points for the journal thread
+        self.slab_bytes = band_buffer_bytes(band_bytes)  # a band buffer: fits any band
+        self.pool = BufferPool(keep=2 * bands_in_flight, minimum=self.slab_bytes)
+        # SimpleQueue: a put and a get cost a tenth of queue.Queue's, and there is one of each per tensor
+        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self.bands: queue.SimpleQueue = queue.SimpleQueue()
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()  # points for the journal thread
         self.halt = threading.Event()  # the reader stops
         self.abort = threading.Event()  # the writers stop writing
         self.records: dict[str, dict[int, ChunkRecord]] = {}  # tensor -> chunk position -> written record
@@ -185,36 +233,69 @@ class WritePipeline:
     # -- threads
 
     def _read(self) -> None:
-        pending: deque = deque()  # bands being read: up to READS_AHEAD at once, finished in order
+        pending: deque = deque()  # large bands being read: up to READS_AHEAD at once, finished in order
+        slab: _Slab | None = None  # small bands read so far, not yet handed on
         try:
             for t in self.work:
                 row = source_row_bytes(t.layout) if t.layout.shape else t.layout.source_dtype.itemsize
                 for band in t.bands:
-                    while not self.budget.acquire(timeout=POLL_S):
-                        if self.halt.is_set():
-                            return
-                    if self.halt.is_set():
-                        self.budget.release()
+                    nbytes = (band.count if t.layout.shape else 1) * row if band.count else 0
+                    if nbytes <= SMALL_BAND_BYTES:
+                        while pending:  # finished in the order they were started
+                            self._deliver(*pending.popleft())
+                        if slab is not None and not slab.room(nbytes):
+                            slab = self._hand_slab(slab)
+                        if slab is None:
+                            if not self._acquire():
+                                return
+                            slab = _Slab(self.pool.take(self.slab_bytes))
+                        view = slab.take(nbytes)
+                        data = self.finish_band(self.start_band(t.layout.name, band.start, band.count, view)) if (
+                            band.count
+                        ) else view  # fmt: skip
+                        if band.chunks:  # (else read only to hash the source file)
+                            slab.items.append((t, band, data))
+                        continue
+                    if slab is not None:
+                        slab = self._hand_slab(slab)
+                    if not self._acquire():
                         return
-                    count = band.count if t.layout.shape else 1
-                    raw = self.pool.take(band_buffer_bytes(count * row) if band.count else 0)
-                    started = self.start_band(t.layout.name, band.start, band.count, raw) if band.count else None
-                    pending.append((t, band, raw, started))
+                    raw = self.pool.take(band_buffer_bytes(nbytes))
+                    pending.append((t, band, raw, self.start_band(t.layout.name, band.start, band.count, raw)))
                     while len(pending) >= READS_AHEAD:
                         self._deliver(*pending.popleft())
             while pending:
                 self._deliver(*pending.popleft())
+            if slab is not None:
+                self._hand_slab(slab)
             self.bands.put(None)
         except BaseException as exc:  # noqa: BLE001 - carried to the calling thread
             self.bands.put(_Failed(exc))
 
+    def _acquire(self) -> bool:
+        """Take a band buffer's place in the budget; False when the pipeline is stopping."""
+        while not self.budget.acquire(timeout=POLL_S):
+            if self.halt.is_set():
+                return False
+        if self.halt.is_set():
+            self.budget.release()
+            return False
+        return True
+
+    def _hand_slab(self, slab: _Slab) -> None:
+        if slab.items:
+            self.bands.put(_Batch(slab.items, slab.buffer, small=True))
+        else:  # only hashed
+            self.pool.give(slab.buffer)
+            self.budget.release()
+
     def _deliver(self, t: TensorWork, band: Band, raw: torch.Tensor, started: Any) -> None:
-        data = self.finish_band(started) if started is not None else raw[:0]
+        data = self.finish_band(started)
         if not band.chunks:  # read only to hash the source file
             self.pool.give(raw)
             self.budget.release()
             return
-        self.bands.put((t, band, raw, data))
+        self.bands.put(_Batch([(t, band, data)], raw, small=False))
 
     def _journal_loop(self) -> None:
         local_error: BaseException | None = None  # this thread's own failure, to tell the others at the next point
@@ -239,7 +320,7 @@ class WritePipeline:
 
     def run(self) -> dict[str, list[ChunkRecord]]:
         """Convert this process's share; returns `{tensor: [written chunk records]}` (this process's chunks)."""
-        queues = {name: queue.Queue() for name in self.writers}
+        queues = {name: queue.SimpleQueue() for name in self.writers}
         writers = [
             threading.Thread(
                 target=_writer_loop, args=(w, queues[name], self.events, self.abort), name=f"write {name}", daemon=True
@@ -275,7 +356,7 @@ class WritePipeline:
             raise failure
         return {name: [by_position[i] for i in sorted(by_position)] for name, by_position in self.records.items()}
 
-    def _start(self, threads: tuple[threading.Thread, ...], queues: dict[str, queue.Queue]) -> None:
+    def _start(self, threads: tuple[threading.Thread, ...], queues: dict[str, queue.SimpleQueue]) -> None:
         """Start every thread; if one cannot start (a thread or memory limit), stop those that did and say so."""
         started = []
         try:
@@ -292,7 +373,7 @@ class WritePipeline:
                 thread.join()
             raise ResourceError.of(exc, "starting the conversion's threads") or exc from None
 
-    def _feed(self, queues: dict[str, queue.Queue]) -> None:
+    def _feed(self, queues: dict[str, queue.SimpleQueue]) -> None:
         """Cut every band the reader delivers and hand the pieces to the writers; sync markers in between."""
         marked = 0
         while True:
@@ -301,36 +382,51 @@ class WritePipeline:
             except queue.Empty:
                 self.check_stop()
                 self._drain()
+                self._check_writers()
                 continue
             if item is None:
                 break
             if isinstance(item, _Failed):
                 raise item
-            t, band, raw, data = item
-            while marked < len(self.points) and self.points[marked] < t.index:
-                self._mark(queues, marked)
-                marked += 1
-            data, cast = cast_band(t.layout, data, band.count if t.layout.shape else 1, self.pool)
+            casts: list[torch.Tensor] = []
 
-            def release(raw=raw, cast=cast) -> None:
-                self.pool.give(raw)
-                if cast is not None:
+            def release(buffer=item.buffer, casts=casts) -> None:
+                self.pool.give(buffer)
+                for cast in casts:
                     self.pool.give(cast)
                 self.budget.release()
 
-            pieces = cut_band(t.layout, band, data)
-            ref = _BandRef(len(pieces), release)
-            for piece in pieces:
-                queues[piece.chunk.file].put((piece, ref))
-            if not pieces:
-                release()
+            ref = _BandRef(1, release)  # this thread's hold, until every list is handed out
+            lists: dict[str, list] = {}
+            for t, band, data in item.items:
+                if marked < len(self.points) and self.points[marked] < t.index:
+                    self._hand(queues, lists, ref)
+                    while marked < len(self.points) and self.points[marked] < t.index:
+                        self._mark(queues, marked)
+                        marked += 1
+                count = band.count if t.layout.shape else 1
+                data, cast = cast_band(t.layout, data, count, None if item.small else self.pool)
+                if cast is not None and not item.small:
+                    casts.append(cast)
+                for piece in cut_band(t.layout, band, data, small=item.small):
+                    lists.setdefault(piece.chunk.file, []).append(piece)
+            self._hand(queues, lists, ref)
+            ref.done()
             self.check_stop()
             self._drain()
         while marked < len(self.points):
             self._mark(queues, marked)
             marked += 1
 
-    def _mark(self, queues: dict[str, queue.Queue], point: int) -> None:
+    @staticmethod
+    def _hand(queues: dict[str, queue.SimpleQueue], lists: dict[str, list], ref: _BandRef) -> None:
+        """Give each writer its pieces so far (before a sync marker, and at the end of a band or slab)."""
+        for name, pieces in lists.items():
+            ref.add()
+            queues[name].put((pieces, ref))
+        lists.clear()
+
+    def _mark(self, queues: dict[str, queue.SimpleQueue], point: int) -> None:
         for q in queues.values():
             q.put(_Marker(point))
         if not queues:
@@ -343,8 +439,11 @@ class WritePipeline:
             try:
                 return self.events.get(timeout=POLL_S)
             except queue.Empty:
-                if not all(thread.is_alive() for thread in self._workers):  # never: a guard against waiting forever
-                    raise RuntimeError("a writer thread stopped without a word") from None
+                self._check_writers()
+
+    def _check_writers(self) -> None:
+        if not all(thread.is_alive() for thread in self._workers):  # never: a guard against waiting forever
+            raise RuntimeError("a writer thread stopped without a word")
 
     def _drain(self) -> None:
         while True:
@@ -368,11 +467,12 @@ class WritePipeline:
 
     def _handle(self, event: tuple) -> None:
         kind, value = event
-        if kind == "chunk":
-            name, position = self._where[(value.file, value.offset)]
-            self.records.setdefault(name, {})[position] = value
-            self._left[name] -= 1
-            self.on_bytes(value.framing.length)
+        if kind == "chunks":
+            for record in value:
+                name, position = self._where[(record.file, record.offset)]
+                self.records.setdefault(name, {})[position] = record
+                self._left[name] -= 1
+                self.on_bytes(record.framing.length)
             while self._order and not self._left[self._order[0]]:
                 self.on_tensor(self._order.popleft())
         elif kind == "synced":

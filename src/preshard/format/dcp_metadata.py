@@ -5,6 +5,18 @@ The metadata describes the true global tensors: each chunk at its real offsets, 
 range in its data file. preshard's own readers never need it (the manifest says the same); `verify`
 reads it with an unpickler that can name nothing but torch's DCP metadata classes, so opening a
 hostile checkpoint never runs code.
+
+The converter writes it without importing `torch.distributed.checkpoint`, whose package imports DTensor, FSDP
+and torch.distributed.elastic: about a CPU second, more than all the rest of a small conversion. It pickles
+stand-ins instead (`_dcp_metadata_classes`, `_dcp_filesystem_classes`: the same names, attributes and state as
+torch's classes, in modules whose names are exactly as long as torch's), then writes torch's module names in
+place of theirs. Each stand-in module name occurs once in the pickle (its first class; later classes refer to
+it by memo), so the result is byte for byte `pickle.dumps` of torch's own objects (`dcp_metadata`); should a
+tensor or file name contain one of those names, the pickle is made from torch's classes instead.
+
+Fidelity: the bytes depend on the pickle protocol (4, as `dcp.save` writes on Python 3.8 to 3.13) and on torch's
+classes keeping their fields; `tests/unit/test_dcp_metadata.py` compares with torch's own pickle, so a torch that
+changes them fails there, not silently.
 """
 
 from __future__ import annotations
@@ -13,37 +25,58 @@ import io
 import os
 import pickle
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
 
+from preshard.format import _dcp_filesystem_classes, _dcp_metadata_classes
 from preshard.format.manifest import DCP_METADATA_NAME, Manifest
 
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
 
-def dcp_metadata(manifest: Manifest) -> Metadata:
-    """torch DCP's global metadata for every tensor and every chunk's record."""
+PICKLE_PROTOCOL = 4  # what torch's dcp.save writes (pickle's default protocol since Python 3.8)
+_STAND_INS = (_dcp_metadata_classes, _dcp_filesystem_classes)
+
+
+def dcp_metadata(manifest: Manifest, *, stand_ins: bool = False) -> Metadata:
+    """torch DCP's global metadata for every tensor and every chunk's record: torch's own objects, or with
+    `stand_ins` their stand-ins (which pickle to the same bytes, module names aside, without torch's DCP)."""
+    if stand_ins:
+        md, fs = _dcp_metadata_classes, _dcp_filesystem_classes
+    else:
+        import torch.distributed.checkpoint.filesystem as fs
+        import torch.distributed.checkpoint.metadata as md
+
+    # Equal sizes, offsets, properties and file names are one object each: the pickle then writes each once and
+    # refers back to it (a memo reference), a fraction of the time and bytes for many tensors of a few shapes.
+    sizes: dict[tuple[int, ...], torch.Size] = {}
+    properties: dict[torch.dtype, Any] = {}
+    files: dict[str, str] = {}
+
+    def size(dims: tuple[int, ...]) -> torch.Size:
+        found = sizes.get(dims)
+        if found is None:
+            found = sizes[dims] = torch.Size(dims)
+        return found
+
     state_dict_metadata = {}
     storage_data = {}
     for name, record in manifest.tensors.items():
         chunks = []
         for index, chunk in enumerate(record.chunks):
-            chunks.append(ChunkStorageMetadata(offsets=torch.Size(chunk.offsets), sizes=torch.Size(chunk.sizes)))
-            key = MetadataIndex(fqn=name, offset=torch.Size(chunk.offsets), index=index)
-            storage_data[key] = _StorageInfo(chunk.file, chunk.offset, chunk.framing.length)
-        state_dict_metadata[name] = TensorStorageMetadata(
-            properties=TensorProperties(dtype=record.layout.dtype),
-            size=torch.Size(record.layout.shape),
-            chunks=chunks,
+            offsets = size(chunk.offsets)
+            chunks.append(md.ChunkStorageMetadata(offsets=offsets, sizes=size(chunk.sizes)))
+            key = md.MetadataIndex(fqn=name, offset=offsets, index=index)
+            file = files.setdefault(chunk.file, chunk.file)
+            storage_data[key] = fs._StorageInfo(file, chunk.offset, chunk.framing.length)
+        dtype = record.layout.dtype
+        if dtype not in properties:
+            properties[dtype] = md.TensorProperties(dtype=dtype)
+        state_dict_metadata[name] = md.TensorStorageMetadata(
+            properties=properties[dtype], size=size(record.layout.shape), chunks=chunks
         )
-    return Metadata(
+    return md.Metadata(
         state_dict_metadata=state_dict_metadata,
         planner_data={name: (name,) for name in manifest.tensors},
         storage_data=storage_data,
@@ -51,12 +84,25 @@ def dcp_metadata(manifest: Manifest) -> Metadata:
 
 
 def dcp_metadata_bytes(manifest: Manifest) -> bytes:
-    return pickle.dumps(dcp_metadata(manifest))
+    """`pickle.dumps(dcp_metadata(manifest))` (torch's objects), made from the stand-ins (see the module docstring)."""
+    ours = [module.__name__ for module in _STAND_INS]
+    named = {c.file for r in manifest.tensors.values() for c in r.chunks} | set(manifest.tensors)
+    if any(stand_in in name for name in named for stand_in in ours):  # no telling which occurrence to replace
+        return pickle.dumps(dcp_metadata(manifest), protocol=PICKLE_PROTOCOL)
+    data = pickle.dumps(dcp_metadata(manifest, stand_ins=True), protocol=PICKLE_PROTOCOL)
+    for module in _STAND_INS:
+        name, theirs = module.__name__.encode(), module.TORCH_MODULE.encode()
+        if data.count(name) != 1:  # never (see above); rather than guess, torch's own classes
+            return pickle.dumps(dcp_metadata(manifest), protocol=PICKLE_PROTOCOL)
+        data = data.replace(name, theirs)
+    return data
 
 
-def write_dcp_metadata(directory: Path, manifest: Manifest) -> bytes:
-    """Write `.metadata` (flushed and fsynced); returns its bytes, for the manifest's record of it."""
-    data = dcp_metadata_bytes(manifest)
+def write_dcp_metadata(directory: Path, manifest: Manifest, data: bytes | None = None) -> bytes:
+    """Write `.metadata` (flushed and fsynced) for `manifest` (`data`: its `dcp_metadata_bytes`, when made
+    already); returns its bytes, for the manifest's record of it."""
+    if data is None:
+        data = dcp_metadata_bytes(manifest)
     with open(Path(directory) / DCP_METADATA_NAME, "wb") as f:
         f.write(data)
         f.flush()
@@ -79,10 +125,14 @@ _ALLOWED_GLOBALS = {
 
 
 class _DcpUnpickler(pickle.Unpickler):
-    """Unpickles torch DCP metadata and nothing else: no other global can be named, so no code runs."""
+    """Unpickles torch DCP metadata and nothing else: no other global can be named, so no code runs. torch's DCP
+    classes come back as their stand-ins (the same attributes), so reading needs no torch.distributed import."""
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _ALLOWED_GLOBALS:
+            for stand_in in _STAND_INS:
+                if module == stand_in.TORCH_MODULE:
+                    return getattr(stand_in, name)
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)

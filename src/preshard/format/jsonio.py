@@ -63,13 +63,92 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def dumps_indented(data: Any) -> str:
+    """`json.dumps(data, indent=1)`, byte for byte, in a fraction of its time.
+
+    Why: with an indent, the json module encodes with its pure-Python encoder, which took most of the time of
+    writing the manifest of 100 000 tensors. Plain data (dict with string keys, list, tuple, str, int, float,
+    bool, None) is written here; anything else goes to the json module, as does a value it would reject.
+    """
+    out: list[str] = []
+    append = out.append
+    encode = _encode_str
+    floats = _floatstr
+
+    def value(v: Any, newline: str) -> None:
+        kind = type(v)
+        if kind is str:
+            append(encode(v))
+        elif v is None:
+            append("null")
+        elif v is True:
+            append("true")
+        elif v is False:
+            append("false")
+        elif kind is int:
+            append(int.__repr__(v))
+        elif kind is float:
+            append(floats(v))
+        elif kind is dict:
+            if not v:
+                append("{}")
+                return
+            inner = newline + " "
+            separator = "{" + inner
+            for key, item in v.items():
+                if type(key) is not str:
+                    raise _Unsupported
+                append(separator + encode(key) + ": ")
+                separator = "," + inner
+                value(item, inner)
+            append(newline + "}")
+        elif kind is list or kind is tuple:
+            if not v:
+                append("[]")
+                return
+            inner = newline + " "
+            separator = "[" + inner
+            for item in v:
+                append(separator)
+                separator = "," + inner
+                value(item, inner)
+            append(newline + "]")
+        else:
+            raise _Unsupported
+
+    try:
+        value(data, "\n")
+    except _Unsupported:
+        return json.dumps(data, indent=1)
+    return "".join(out)
+
+
+class _Unsupported(Exception):
+    """A value `dumps_indented` leaves to the json module."""
+
+
+_encode_str = json.encoder.encode_basestring_ascii
+
+
+def _floatstr(v: float) -> str:
+    if v != v:
+        return "NaN"
+    if v in (float("inf"), float("-inf")):
+        return "Infinity" if v > 0 else "-Infinity"
+    return float.__repr__(v)
+
+
 def write_json_atomic(path: Path, data: Any) -> None:
     """Write, flush and fsync a sibling, then rename over `path`: readers see the old file or the new one."""
+    write_text_atomic(path, dumps_indented(data) + "\n")
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """`write_json_atomic` of text already made (UTF-8)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=1)
-        f.write("\n")
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

@@ -13,6 +13,7 @@ a resume trust nothing but checksums, and a dry run report exact sizes.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -121,10 +122,7 @@ class TensorLayout:
 
     def all_boxes(self, tp: int) -> list[tuple[int | None, Box]]:
         """Every chunk with its owning TP rank (None: replicated), in canonical order (by offsets)."""
-        if self.shard_dim is None:
-            return [(None, self.boxes(tp, 0)[0])]
-        owned = [(r, box) for r in range(tp) for box in self.boxes(tp, r)]
-        return sorted(owned, key=lambda item: item[1][0])
+        return list(_all_boxes(self.shard_dim, self.blocks, self.shape, tp))
 
     def local_shape(self, tp: int) -> tuple[int, ...]:
         if self.shard_dim is None:
@@ -146,6 +144,18 @@ class TensorLayout:
             start += block
             position += local
         raise ValueError(f"{self.name}: chunk {box} lies in no block")
+
+
+@functools.lru_cache(maxsize=4096)
+def _all_boxes(
+    shard_dim: int | None, blocks: tuple[int, ...] | None, shape: tuple[int, ...], tp: int
+) -> tuple[tuple[int | None, Box], ...]:
+    """`TensorLayout.all_boxes`, computed once per distinct split (the tensors of a model share a few)."""
+    layout = TensorLayout("", REPLICATE, shard_dim, blocks, shape, torch.uint8, torch.uint8)
+    if shard_dim is None:
+        return ((None, layout.boxes(tp, 0)[0]),)
+    owned = [(r, box) for r in range(tp) for box in layout.boxes(tp, r)]
+    return tuple(sorted(owned, key=lambda item: item[1][0]))
 
 
 @dataclass(frozen=True)
@@ -210,7 +220,7 @@ def place_records(layouts: Iterable[TensorLayout], tp: int) -> FileLayout:
     sizes = [0] * tp
     placed: dict[str, list[ChunkRecord]] = {}
     for layout in layouts:
-        replica_file = min(range(tp), key=lambda r: (sizes[r], r))
+        replica_file = sizes.index(min(sizes))  # the lowest rank among the smallest files
         chunks = []
         for owner, box in layout.all_boxes(tp):
             rank = replica_file if owner is None else owner

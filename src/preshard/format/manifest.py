@@ -237,7 +237,12 @@ class Manifest:
 
     def rank_table(self) -> list[dict[str, Any]]:
         """rank -> coordinates -> the data files it reads, for every rank of the converted mesh."""
-        files = {r: self.files_for_tp_rank(r) for r in range(self.tp)}
+        replicated: set[str] = set()  # one pass over the chunks for every TP rank (not one per rank)
+        owned: list[set[str]] = [set() for _ in range(self.tp)]
+        for record in self.tensors.values():
+            for c in record.chunks:
+                (replicated if c.owner is None else owned[c.owner]).add(c.file)
+        files = {r: [f.name for f in self.files if f.name in replicated or f.name in owned[r]] for r in range(self.tp)}
         table = []
         for rank in range(self.mesh.world_size):
             coords = self.mesh.coords(rank)
@@ -285,6 +290,12 @@ class Manifest:
 
     def sealed(self) -> Manifest:
         return replace(self, digest=self.compute_digest())
+
+    def sealed_dict(self) -> tuple[Manifest, dict[str, Any]]:
+        """`sealed()` and its `to_dict()`, building the body once (most of a large manifest's cost)."""
+        body = self.body()
+        digest = xxhash.xxh3_128_hexdigest(canonical_json(body))
+        return replace(self, digest=digest), {**body, "digest": digest}
 
     def to_dict(self) -> dict[str, Any]:
         return {**self.body(), "digest": self.digest or self.compute_digest()}
@@ -371,6 +382,8 @@ class _Parser:
         )
 
     def obj(self, value: Any, where: str, required: set[str], optional: set[str] = frozenset()) -> dict[str, Any]:
+        if type(value) is dict and value.keys() == required:  # the common case, at once
+            return value
         if not isinstance(value, dict):
             raise self.bad(f"{where} must be an object")
         missing = sorted(required - set(value))
@@ -529,10 +542,11 @@ class _Parser:
         if not isinstance(value, dict):
             raise self.bad("tensors must be an object")
         keys = {"style", "blocks", "shard_dim", "split_blocks", "shape", "dtype", "source_dtype", "chunks"}
+        required = keys - {"blocks"}
         out = {}
         for name, raw in value.items():
             where = f"tensor {name}"
-            t = self.obj(raw, where, keys - {"blocks"}, {"blocks"})
+            t = self.obj(raw, where, required, {"blocks"})
             try:
                 style = make_style(t["style"], t.get("blocks"), where)
             except PlanError as exc:
@@ -573,7 +587,11 @@ class _Parser:
             raise self.bad(f"{where} must have {len(expected)} chunks for its {layout.style.name} split at tp={tp}")
         chunks = []
         for i, ((owner, box), raw) in enumerate(zip(expected, value)):
-            c = self.obj(raw, f"{where} chunk {i}", {"offsets", "sizes", "file", "offset", "xxh3_64"})
+            if _chunk_ok(raw, box, owner, files):  # checked at once; else one by one below, for the message
+                framing = record_framing(layout.dtype, box[1])
+                chunks.append(ChunkRecord(layout.name, owner, box, raw["file"], raw["offset"], framing, raw["xxh3_64"]))
+                continue
+            c = self.obj(raw, f"{where} chunk {i}", _CHUNK_KEYS)
             got = (self.ints(c["offsets"], f"{where} chunk {i} offsets"), self.ints(c["sizes"], f"{where} chunk {i}"))
             if got != box:
                 raise self.bad(
@@ -707,6 +725,38 @@ class _Parser:
             p["mesh"],
             self.hex(p["digest"], "derived_from digest", _HEX32),
         )
+
+
+_CHUNK_KEYS = frozenset({"offsets", "sizes", "file", "offset", "xxh3_64"})
+
+
+def _same_ints(value: Any, expected: tuple[int, ...]) -> bool:
+    """A JSON list of exactly these whole numbers (no bools)."""
+    if type(value) is not list or len(value) != len(expected):
+        return False
+    for v, e in zip(value, expected):
+        if type(v) is not int or v != e:
+            return False
+    return True
+
+
+def _chunk_ok(raw: Any, box: Any, owner: int | None, files: set[str]) -> bool:
+    """Whether a recorded chunk passes every check `_Parser.chunks` makes (what most chunks do), cheaply: the
+    parser then builds it at once; otherwise it checks field by field to name what is wrong."""
+    if type(raw) is not dict or raw.keys() != _CHUNK_KEYS:
+        return False
+    file, offset, checksum = raw["file"], raw["offset"], raw["xxh3_64"]
+    return (
+        _same_ints(raw["offsets"], box[0])
+        and _same_ints(raw["sizes"], box[1])
+        and type(file) is str
+        and file in files
+        and (owner is None or file == data_file_name(owner))
+        and type(offset) is int
+        and offset >= 0
+        and type(checksum) is str
+        and _HEX16.match(checksum) is not None
+    )
 
 
 def describe_chunk(chunk: ChunkRecord) -> str:

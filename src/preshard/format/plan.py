@@ -5,16 +5,18 @@ blocks given, or read from the widths of named sibling Linears, `blocks_from`; n
 style), attention modules whose head-count attributes are divided by the TP degree and whose attention runs
 context parallel, config keys that must divide by the TP degree, config values the plan is made for, outputs
 of replicated modules that each TP rank slices to its own heads (LTX-2's rotary embeddings), and optionally a
-CP plan (which inputs to split along the sequence and which outputs to gather) and the order in which the
+CP plan (which inputs to split along the sequence and which outputs to gather), the order in which the
 model joins split sequences for attention (`cp_join_order`, e.g. Flux's text before image: CP needs it to find
-the padded rows of each at any length). The manifest embeds the resolved plan, so the runtime needs nothing but
-the checkpoint to shard the model.
+the padded rows of each at any length) and the config values CP works for (`cp_config_requires`: HunyuanVideo's
+token-replace I2V variant treats the first frame's rows apart, which a split sequence cannot). The manifest
+embeds the resolved plan, so the runtime needs nothing but the checkpoint to shard the model.
 
 `resolve_plan` applies a plan to a checkpoint's tensor names and shapes: one `TensorLayout` each.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Mapping
@@ -39,8 +41,23 @@ def matches(pattern: str, module: str) -> bool:
     """`*` (or any fnmatch pattern) matches exactly one dotted path component; "" is the root module."""
     if pattern == "" or module == "":
         return pattern == module
+    compiled = _compiled(pattern)
+    if compiled is not None:
+        return compiled.match(module) is not None
     want, have = pattern.split("."), module.split(".")
     return len(want) == len(have) and all(fnmatchcase(h, w) for w, h in zip(want, have))
+
+
+@functools.lru_cache(maxsize=1024)
+def _compiled(pattern: str) -> re.Pattern | None:
+    """`pattern` as one regular expression (`*` and `?` kept inside a component), so that resolving a plan over
+    100 000 tensors costs one match per rule and tensor; None for bracket classes (matched component-wise)."""
+    if "[" in pattern:
+        return None
+    parts = []
+    for component in pattern.split("."):
+        parts.append("".join("[^.]*" if ch == "*" else "[^.]" if ch == "?" else re.escape(ch) for ch in component))
+    return re.compile(r"\.".join(parts) + r"\Z")
 
 
 @dataclass(frozen=True)
@@ -158,6 +175,9 @@ class Plan:
     tp_split_outputs: dict[str, dict[int, SeqDim]] = field(default_factory=dict)
     # Config values the plan is made for (LTX-2's rope_type): another value is refused at conversion.
     config_requires: dict[str, Any] = field(default_factory=dict)
+    # Config values the CP plan works for, each a value or a list of the values allowed: another is refused on a
+    # CP mesh (at conversion and at load).
+    cp_config_requires: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -183,6 +203,8 @@ class Plan:
             data["config_requires"] = dict(self.config_requires)
         if self.cp_join_order is not None:
             data["cp_join_order"] = list(self.cp_join_order)
+        if self.cp_config_requires:
+            data["cp_config_requires"] = dict(self.cp_config_requires)
         return data
 
     @classmethod
@@ -196,6 +218,24 @@ class Plan:
 
     def context_parallel_attention(self) -> tuple[AttentionRule, ...]:
         return tuple(a for a in self.attention if a.context_parallel)
+
+    def check_cp_config(self, config: Mapping[str, Any] | None) -> None:
+        """The config has a value `cp_config_requires` allows for every key it names (not checked without a config).
+
+        Raises:
+            PlanError: a value the CP plan does not work for, naming the key, the values it works for and the fix.
+        """
+        if not config:
+            return
+        for key, want in self.cp_config_requires.items():
+            allowed = want if isinstance(want, list) else [want]
+            have = config.get(key)
+            if have not in allowed:
+                works = " or ".join(repr(v) for v in allowed)
+                raise PlanError(
+                    f"{self.origin}: context parallelism works for config {key} = {works}, not {have!r} (see the "
+                    "plan's description); use ring=1 and ulysses=1 (--cp 1) for this checkpoint"
+                )
 
     def norm_rules(self) -> tuple[LinearRule, ...]:
         """The rules that shard norms (`tp_rms_norm`): they name modules, which may hold no tensor at all."""
@@ -234,7 +274,7 @@ def _parse_plan(data: Any, origin: str) -> Plan:
         raise bad("must be a JSON object with 'name' and 'linear'")
     known = {
         "format", "name", "description", "model_classes", "linear", "attention", "config_divisible", "cp_plan",
-        "tp_split_outputs", "config_requires", "cp_join_order",
+        "tp_split_outputs", "config_requires", "cp_join_order", "cp_config_requires",
     }  # fmt: skip
     unknown = sorted(set(data) - known)
     if unknown:
@@ -292,6 +332,13 @@ def _parse_plan(data: Any, origin: str) -> Plan:
         isinstance(v, (str, int, float, bool)) or v is None for v in config_requires.values()
     ):
         raise bad("'config_requires' must map config keys to JSON scalars (strings, numbers, true/false, null)")
+    cp_config_requires = data.get("cp_config_requires", {})
+    scalar = (str, int, float, bool, type(None))
+    if not isinstance(cp_config_requires, dict) or not all(
+        isinstance(v, scalar) or (isinstance(v, list) and v and all(isinstance(x, scalar) for x in v))
+        for v in cp_config_requires.values()
+    ):
+        raise bad("'cp_config_requires' must map config keys to a JSON scalar or a non-empty list of them")
     join = data.get("cp_join_order")
     if join is not None:
         if (
@@ -320,6 +367,7 @@ def _parse_plan(data: Any, origin: str) -> Plan:
         origin=origin,
         tp_split_outputs=tp_split_outputs,
         config_requires=dict(config_requires),
+        cp_config_requires=dict(cp_config_requires),
     )
 
 

@@ -33,7 +33,8 @@ BAND_BYTES = 32 << 20
 class Piece:
     """A run of a chunk's bytes, following the chunk's earlier pieces.
 
-    From `cut_band`: a uint8 view (1-D, or 2-D with contiguous rows, to be read row after row). From
+    From `cut_band`: a uint8 view (1-D, or 2-D with contiguous rows, to be read row after row; of a small band, a
+    1-D numpy array). From
     `tensor_pieces`: a contiguous tensor in the stored dtype.
     """
 
@@ -150,11 +151,21 @@ def band_plan(
     return bands
 
 
-def cut_band(layout: TensorLayout, band: Band, data: torch.Tensor) -> list[Piece]:
-    """Cut a band into its chunks' pieces: byte views of `data` (the band's rows, flat uint8, stored dtype)."""
+SMALL_BAND_BYTES = 256 << 10
+
+
+def cut_band(layout: TensorLayout, band: Band, data: torch.Tensor, *, small: bool = False) -> list[Piece]:
+    """Cut a band into its chunks' pieces: byte views of `data` (the band's rows, flat uint8, stored dtype).
+
+    With `small` (a band of at most `SMALL_BAND_BYTES`, as most bands of a checkpoint of many small tensors are),
+    the pieces are numpy views instead, every one contiguous (a column split is copied out): a torch view costs
+    microseconds of dispatch, several times the bytes of such a piece.
+    """
+    if small:
+        data = data.numpy()
     pieces = []
     item = layout.dtype.itemsize
-    row_bytes = math.prod(layout.shape[1:]) * item if layout.shape else data.numel()
+    row_bytes = math.prod(layout.shape[1:]) * item if layout.shape else len(data)
     end = band.start + band.count
     for c in band.chunks:
         lo, hi = _extent(layout, c)
@@ -166,7 +177,9 @@ def cut_band(layout: TensorLayout, band: Band, data: torch.Tensor) -> list[Piece
             view = data
         elif layout.shard_dim == 1:
             col = c.offsets[1] * item
-            view = data.view(band.count, row_bytes)[:, col : col + c.sizes[1] * item]
+            view = data.reshape(band.count, row_bytes)[:, col : col + c.sizes[1] * item]
+            if small:
+                view = view.copy().reshape(-1)
         else:
             a, b = max(lo, band.start) - band.start, min(hi, end) - band.start
             view = data[a * row_bytes : b * row_bytes]
@@ -175,15 +188,17 @@ def cut_band(layout: TensorLayout, band: Band, data: torch.Tensor) -> list[Piece
 
 
 def cast_band(
-    layout: TensorLayout, raw: torch.Tensor, count: int, pool: BufferPool
+    layout: TensorLayout, raw: torch.Tensor, count: int, pool: BufferPool | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The band's bytes in the stored dtype: `raw` itself, or a cast copy (returned second, from `pool`)."""
+    """The band's bytes in the stored dtype: `raw` itself, or a cast copy (returned second, from `pool`; without a
+    pool, a buffer of exactly its size)."""
     if layout.dtype == layout.source_dtype:
         return raw, None
     shape = (count, *layout.shape[1:]) if layout.shape else ()
     if raw.storage_offset() % layout.source_dtype.itemsize:  # a source tensor not aligned to its dtype
         raw = raw.clone()
-    out = pool.take(math.prod(shape) * layout.dtype.itemsize)
+    nbytes = math.prod(shape) * layout.dtype.itemsize
+    out = pool.take(nbytes) if pool is not None else torch.empty(nbytes, dtype=torch.uint8)
     _typed(out, layout.dtype, shape).copy_(_typed(raw, layout.source_dtype, shape))
     return out, out
 

@@ -205,9 +205,12 @@ def check_cp_plan(plan: Plan, config: dict[str, Any] | None, cp: int) -> None:
     unless the plan has its own; an unknown class is not checked.
 
     Raises:
-        PlanError: neither the plan nor the model class has one.
+        PlanError: neither the plan nor the model class has one; a config value the CP plan does not work for.
     """
-    if cp <= 1 or plan.cp_plan:
+    if cp <= 1:
+        return
+    plan.check_cp_config(config)
+    if plan.cp_plan:
         return
     cls = _declared_class(config)
     if cls is not None and not getattr(cls, "_cp_plan", None):

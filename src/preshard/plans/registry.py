@@ -3,13 +3,18 @@ model class declares itself (diffusers' `_tp_plan`)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from preshard.errors import PlanError
 from preshard.format.jsonio import parse_json_text, read_json
 from preshard.format.plan import Plan
+from preshard.plans.model_check import structure_shown_by_tensors
+
+if TYPE_CHECKING:
+    from preshard.format.layout import TensorLayout
 
 
 def builtin_plan_names() -> list[str]:
@@ -47,6 +52,28 @@ def builtin_plan_for_class(class_name: str | None) -> Plan | None:
         if class_name in plan.model_classes:
             return plan
     return None
+
+
+def vouched_for(plan: Plan, config: dict[str, Any] | None, layouts: Mapping[str, TensorLayout], cp: int = 1) -> bool:
+    """Whether conversion may skip checking `plan` against the model class (`check_plan_against_model`): `plan`
+    is a built-in plan, as shipped, made for the checkpoint's model class (config.json's `_class_name` among its
+    `model_classes`); the checkpoint's tensors (`layouts`, resolved under it) show no module it leaves whole
+    where the model check would refuse one (`model_check.structure_shown_by_tensors`); and a CP mesh (`cp` =
+    ring x ulysses > 1) has the plan's own CP plan (else the class's `_cp_plan` decides, which needs the class).
+
+    Why: the model check imports diffusers and builds the model on the meta device (about 2 CPU s, more than
+    converting a small checkpoint). For the built-in plans the test suite does it once and for all
+    (tests/test_diffusers_plans.py): for every plan, class and published config (and the variants the tests
+    build), at every TP degree the checks made from the checkpoint alone accept, the model check accepts too.
+    """
+    class_name = (config or {}).get("_class_name")
+    if not isinstance(class_name, str) or class_name not in plan.model_classes:
+        return False
+    if plan.name not in builtin_plan_names() or (cp > 1 and not plan.cp_plan):
+        return False
+    if load_plan(plan.name).to_dict() != plan.to_dict():
+        return False
+    return structure_shown_by_tensors(plan, layouts)
 
 
 def choose_plan(plan: str | Path | Plan | None, config: dict[str, Any] | None) -> Plan:

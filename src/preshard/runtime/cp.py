@@ -165,9 +165,12 @@ class CPRuntime:
     def padded(self) -> bool:
         return any(rows * self.cp_size != length for length, rows in self.sequences.items())
 
-    def key_layout(self, key_rows: int, where: str) -> tuple[KeySequence, ...]:
-        """Which split sequences, in which order, make up a local key block of `key_rows` rows."""
-        if not self.padded():  # every row of every sequence is real, however they are joined
+    def key_layout(self, key_rows: int, where: str, exact: bool = False) -> tuple[KeySequence, ...]:
+        """Which split sequences, in which order, make up a local key block of `key_rows` rows.
+
+        `exact`: the real layout even where nothing is padded (an attention mask names keys by position).
+        """
+        if not exact and not self.padded():  # every row of every sequence is real, however they are joined
             return (KeySequence(key_rows * self.cp_size, key_rows),)
         hits = [
             layout
@@ -184,6 +187,12 @@ class CPRuntime:
             for combo in combinations(lengths, size)
             if sum(self.sequences[x] for x in combo) == key_rows
         ]
+        if joinable and not self.padded():
+            parts = " and ".join(f"{x} tokens" for x in joinable[0])
+            raise PlanError(
+                f"context parallel: {where} attends over sequences of {parts} joined, with an attention mask, and "
+                "the plan does not say in which order the model joins them; add cp_join_order to the plan"
+            )
         if joinable:
             parts = " and ".join(f"{x} tokens" for x in joinable[0])
             raise UsageError(
@@ -254,17 +263,101 @@ class CPRuntime:
         enable_gqa: bool = False,
     ) -> torch.Tensor:
         """`scaled_dot_product_attention`'s signature, computed across the CP group."""
-        if attn_mask is not None or is_causal or dropout_p or enable_gqa:
+        if is_causal or dropout_p or enable_gqa:
             raise UsageError(
-                f"context parallel: {name} asked for an attention mask, causal attention, dropout or GQA, "
-                "which preshard's CP attention does not support"
+                f"context parallel: {name} asked for causal attention, dropout or GQA, which preshard's CP attention "
+                "does not support"
             )
         if not self.sequences:
             raise PlanError(f"context parallel: {name} ran before the CP plan split the sequence")
-        layout = self.key_layout(key.shape[2], name)
+        layout = self.key_layout(key.shape[2], name, exact=attn_mask is not None)
         if self.neuron:
             self._advise_neuron(key.shape[2] * self.groups.ulysses_size, layout)
-        return cp_attention(query, key, value, groups=self.groups, key_layout=layout, scale=scale)
+        if attn_mask is None:
+            return cp_attention(query, key, value, groups=self.groups, key_layout=layout, scale=scale)
+        key_masks, query_valid = self._key_masks(name, attn_mask, query, key, layout)
+        out = cp_attention(query, key, value, groups=self.groups, key_layout=layout, scale=scale, key_masks=key_masks)
+        # Query rows the mask leaves no key: SDPA gives them 0.
+        return out if query_valid is None else out.masked_fill(~query_valid, 0.0)
+
+    # -- attention masks
+
+    def _key_masks(
+        self, name: str, mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor, layout: tuple[KeySequence, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """An SDPA mask as every CP rank's mask over its local key rows, `[cp, B, key rows]`, and, where the mask also
+        masks whole query rows, this rank's query rows that attend (`[B, 1, query rows, 1]`).
+
+        Two kinds are taken, told apart by their key dim: a mask over this rank's key rows (built from split
+        inputs: HunyuanVideo 1.5 splits its text mask with the text; all-gathered), and a mask over the whole key
+        sequence as the unsharded model sees it (built before the split: HunyuanVideo, HunyuanImage; every rank
+        holds it and cuts each rank's rows out of it). A mask over this rank's rows may also depend on the query,
+        if it is a key mask and a query mask combined (`q_valid[:, None] & k_valid[None, :]`, as HunyuanVideo 1.5
+        builds it): checked on the data. Where both sizes coincide, every real row is on CP rank 0, whose mask is
+        then the same either way.
+        """
+        rows, total = key.shape[2], sum(s.length for s in layout)
+        shape = tuple(mask.shape)
+        if not 1 <= mask.dim() <= 4:
+            raise UsageError(f"context parallel: {name} got an attention mask of shape {shape}, which SDPA cannot take")
+        m = mask.reshape((1,) * (4 - mask.dim()) + shape)
+        batch, heads, queries, keys = m.shape
+        if batch not in (1, query.shape[0]) or heads != 1:
+            raise UsageError(
+                f"context parallel: {name} got an attention mask of shape {shape}; preshard's CP attention takes a "
+                "mask that is the same for every head ([batch or 1, 1, queries or 1, keys])"
+            )
+        if keys == rows:
+            if queries == 1:
+                return self._gather_key_masks(m[:, 0, 0]), None
+            if queries == query.shape[2] and m.dtype == torch.bool:
+                key_valid = m.any(dim=-2)  # [B, 1, keys]
+                query_valid = m.any(dim=-1, keepdim=True)  # [B, 1, queries, 1]
+                self._check_factorised(name, m, query_valid & key_valid.unsqueeze(-2))
+                return self._gather_key_masks(key_valid[:, 0]), query_valid
+        elif keys == total and queries == 1:
+            return self._cut_key_masks(m[:, 0, 0], layout), None
+        raise UsageError(
+            f"context parallel: {name} got an attention mask of shape {shape}, which preshard's CP attention cannot "
+            f"split: it takes a mask over the keys (the whole {total} keys or this rank's {rows}) that is the same "
+            "for every query, or this rank's bool mask that is a key mask and a query mask combined"
+        )
+
+    def _gather_key_masks(self, local: torch.Tensor) -> torch.Tensor:
+        """Every CP rank's `[B, rows]` key mask, `[cp, B, rows]` in CP rank order (Ulysses inside, ring outside)."""
+        masks = local.unsqueeze(0)
+        wire = masks.to(torch.uint8) if masks.dtype == torch.bool else masks  # bool does not travel everywhere
+        if self.groups.ulysses_size > 1:
+            wire = collectives.all_gather_cat(wire.contiguous(), self.groups.ulysses_group, 0)
+        if self.groups.ring_size > 1:
+            wire = collectives.all_gather_cat(wire.contiguous(), self.groups.ring_group, 0)
+        return wire.bool() if masks.dtype == torch.bool else wire
+
+    def _cut_key_masks(self, full: torch.Tensor, layout: tuple[KeySequence, ...]) -> torch.Tensor:
+        """Each CP rank's rows of a `[B, total keys]` mask over the joined unsplit sequences, `[cp, B, rows]`."""
+        blocks = []
+        for cp_rank in range(self.cp_size):
+            pieces, offset = [], 0
+            for seq in layout:
+                start, real = offset + cp_rank * seq.rows, seq.real_rows(cp_rank)
+                pieces.append(full[:, start : start + real])
+                if real < seq.rows:  # padding rows: dropped before attention, any value
+                    pieces.append(full.new_zeros(full.shape[0], seq.rows - real))
+                offset += seq.length
+            blocks.append(torch.cat(pieces, dim=1))
+        return torch.stack(blocks)
+
+    @staticmethod
+    def _check_factorised(name: str, mask: torch.Tensor, product: torch.Tensor) -> None:
+        message = (
+            f"context parallel: {name} got a [queries, keys] attention mask that is not a key mask and a query "
+            "mask combined, which preshard's CP attention cannot split"
+        )
+        same = torch.eq(mask, product).all()
+        if torch.compiler.is_compiling():
+            torch._assert_async(same, message)
+        elif not bool(same):
+            raise UsageError(message)
 
     def _advise_neuron(self, block_len: int, layout: tuple[KeySequence, ...]) -> None:
         length = sum(s.length for s in layout) if self.groups.ring_size == 1 else block_len
@@ -304,6 +397,19 @@ class _CPAttentionRouter(TorchFunctionMode):
             return getattr(args[0], func.__name__)(*args[1:], **kwargs)
         return func(*args, **kwargs)
 
+    def skipped_attention(self, module: nn.Module) -> bool:
+        """Whether a forward that made no SDPA call skipped attention on purpose: its processor is one the class
+        ships (LTX-2.3's perturbed attention passes the values through for spatio-temporal guidance) and dispatches
+        to an SDPA backend, so it would have called SDPA had it attended."""
+        cls = type(module)
+        own = {getattr(cls, "_default_processor_cls", None), *(getattr(cls, "_available_processors", None) or ())}
+        processor = getattr(module, "processor", None)
+        if processor is None or type(processor) not in own - {None}:
+            return False
+        backend = getattr(processor, "_attention_backend", None)
+        backend = getattr(backend, "value", backend)
+        return str(backend if backend is not None else _active_diffusers_backend()) in _SDPA_BACKENDS
+
     def refuse_other_backends(self, module: nn.Module) -> None:
         """What a pipeline may have set on the module's processor that would bypass SDPA, refused in one line."""
         processor = getattr(module, "processor", None)
@@ -321,6 +427,17 @@ class _CPAttentionRouter(TorchFunctionMode):
             )
 
 
+def _active_diffusers_backend() -> str | None:
+    """The attention backend diffusers dispatches to when a processor names none (`attention_backend(...)`,
+    `DIFFUSERS_ATTN_BACKEND`), if this diffusers has that registry."""
+    try:
+        from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+    except ImportError:  # pragma: no cover - diffusers is what runs these modules
+        return None
+    backend = getattr(_AttentionBackendRegistry, "_active_backend", None)
+    return None if backend is None else str(getattr(backend, "value", backend))
+
+
 class _RoutedAttention(nn.Module):
     """Mixin placed before an attention module's own class: its forward runs inside the module's router."""
 
@@ -332,7 +449,7 @@ class _RoutedAttention(nn.Module):
         router.calls = 0
         with router:
             out = super().forward(*args, **kwargs)
-        if router.calls == 0:
+        if router.calls == 0 and not router.skipped_attention(self):
             raise UsageError(
                 f"context parallel: {router.name} did not call torch.nn.functional.scaled_dot_product_attention "
                 f"(its processor is {type(getattr(self, 'processor', None)).__name__}), so its sequence could not be "
@@ -459,6 +576,8 @@ def attach_context_parallel(
     )  # fmt: skip
     cp_members = groups.ranks.get("cp", [groups.rank])
     cp_plan = resolve_cp_plan(model, plan)
+    config = getattr(model, "config", None)
+    plan.check_cp_config(dict(config.items()) if hasattr(config, "items") else None)
     runtime = CPRuntime(
         cp_groups,
         groups.cp,

@@ -9,6 +9,12 @@ real runs otherwise), so the fast unmasked kernels run, no row is left without a
 result is exactly the attention of the unpadded sequences. Query rows that are padding produce rows that
 the hooks drop at the gather.
 
+A mask over the keys (a text padding mask: HunyuanVideo's joint attention) comes as each CP rank's mask over
+its local key rows (`key_masks`); it travels with the keys: after the Ulysses exchange this rank holds every
+key of its ring rank's blocks and applies their masks joined, and each ring step applies the mask of the block
+it computes. Padded rows are dropped from the mask as from the keys. A key block whose keys are all masked for
+a batch row gives lse = -inf there, so it adds nothing when the blocks merge.
+
 Ring steps compute each key block with a kernel that also returns the log-sum-exp and merge the blocks in
 float32 from it: on CPU `aten._scaled_dot_product_flash_attention_for_cpu`; on CUDA the flash kernel
 (fp16/bf16) or the memory-efficient one (untested on CUDA hardware); elsewhere a chunked float32 math path.
@@ -115,6 +121,13 @@ def _select_rows(x: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
     return torch.cat([x[:, :, a:b] for a, b in runs], dim=2)
 
 
+def _select_last(x: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
+    """`_select_rows` along the last dim (a key mask's keys)."""
+    if len(runs) == 1 and runs[0] == (0, x.shape[-1]):
+        return x
+    return torch.cat([x[..., a:b] for a, b in runs], dim=-1)
+
+
 def cp_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -125,6 +138,7 @@ def cp_attention(
     key_layout: Sequence[KeySequence] | None = None,
     scale: float | None = None,
     local_attention: Callable[..., torch.Tensor] | None = None,
+    key_masks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of this rank's query rows against every real key of the CP group, `[B, H, S_q_local, D]`.
 
@@ -135,8 +149,10 @@ def cp_attention(
         seq_len: shorthand for a single split sequence of that many real rows (`key_layout` of one entry).
         key_layout: the split sequences joined, in order, in every rank's local key block.
         scale: softmax scale (default `D ** -0.5`).
-        local_attention: called as `local_attention(q, k, v, scale=scale)` where no log-sum-exp is needed
-            (ring size 1); default torch's builtin SDPA.
+        local_attention: called as `local_attention(q, k, v, scale=scale)` (with `attn_mask=` when masked)
+            where no log-sum-exp is needed (ring size 1); default torch's builtin SDPA.
+        key_masks: optional `[cp_size, B or 1, S_k_local]`: for each CP rank, in CP rank order, the mask over
+            its local key rows, bool (True: attend) or float (added to the scores), as SDPA's `attn_mask`.
 
     Returns:
         The attention output for this rank's query rows, in the query dtype.
@@ -145,8 +161,26 @@ def cp_attention(
         ValueError: shapes that do not fit, or a layout that does not describe the local key block.
     """
     layout = _layout(key, groups, seq_len, key_layout)
+    if key_masks is not None and (
+        key_masks.dim() != 3
+        or key_masks.shape[0] != groups.cp_size
+        or key_masks.shape[1] not in (1, key.shape[0])
+        or key_masks.shape[2] != key.shape[2]
+    ):
+        raise ValueError(
+            f"cp_attention: key_masks {tuple(key_masks.shape)} must be [cp_size={groups.cp_size}, B or 1, "
+            f"{key.shape[2]} local key rows]"
+        )
     return _cp_attention(
-        query, key, value, groups=groups, layout=layout, scale=scale, local_attention=local_attention, drop_padding=True
+        query,
+        key,
+        value,
+        groups=groups,
+        layout=layout,
+        scale=scale,
+        local_attention=local_attention,
+        drop_padding=True,
+        key_masks=key_masks,
     )
 
 
@@ -176,6 +210,7 @@ def _cp_attention(
     scale: float | None,
     local_attention: Callable[..., torch.Tensor] | None,
     drop_padding: bool,
+    key_masks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`cp_attention`, with a switch that lets tests show that dropping padded keys matters."""
     _check_inputs(query, key, value)
@@ -203,11 +238,22 @@ def _cp_attention(
                     found.append((a, b))
         return found
 
+    def mask(ring_rank: int, real: list[tuple[int, int]]) -> torch.Tensor | None:
+        """The mask of the key block that started on `ring_rank` (its u CP ranks' blocks joined), real rows only,
+        as `[B, 1, 1, keys]`."""
+        if key_masks is None:
+            return None
+        blocks = key_masks[ring_rank * u : (ring_rank + 1) * u]  # [u, B, S]
+        joined = blocks.permute(1, 0, 2).reshape(blocks.shape[1], -1)
+        return _select_last(joined, real)[:, None, None, :]
+
     if groups.ring_size == 1:
         mine = runs(0)
-        out = local_attention(query, _select_rows(key, mine), _select_rows(value, mine), scale=scale)
+        masked = mask(0, mine)
+        extra = {} if masked is None else {"attn_mask": _as_sdpa_mask(masked, query.dtype)}
+        out = local_attention(query, _select_rows(key, mine), _select_rows(value, mine), scale=scale, **extra)
     else:
-        out = _ring_attention(query, key, value, groups, runs, scale=scale).to(query.dtype)
+        out = _ring_attention(query, key, value, groups, runs, scale=scale, mask=mask).to(query.dtype)
 
     if u > 1:
         out = _heads_to_seq(out, groups.ulysses_group, u, heads)
@@ -274,11 +320,13 @@ def _ring_attention(
     runs: Callable[[int], list[tuple[int, int]]],
     *,
     scale: float,
+    mask: Callable[[int, list[tuple[int, int]]], torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """Ring attention: K/V blocks travel round the ring group; partials merge by log-sum-exp in float32.
 
-    `runs(r)` gives the real rows of the block that started on ring rank r (static: known from the layout).
-    The next block is sent before the current one is computed, so the pass overlaps the kernel.
+    `runs(r)` gives the real rows of the block that started on ring rank r (static: known from the layout);
+    `mask(r, runs(r))` its key mask, if any. The next block is sent before the current one is computed, so the
+    pass overlaps the kernel.
     """
     n, me = groups.ring_size, groups.ring_rank
     k_numel, k_shape, v_shape = k.numel(), k.shape, v.shape
@@ -287,11 +335,16 @@ def _ring_attention(
     lse: torch.Tensor | None = None
     for step in range(n):
         pending = collectives.ring_pass_async(buf, groups.ring_group) if step < n - 1 else None
-        real = runs((me - step) % n)
+        src = (me - step) % n
+        real = runs(src)
         if real:
             k_blk = _select_rows(buf[:k_numel].view(k_shape), real)
             v_blk = _select_rows(buf[k_numel:].view(v_shape), real)
-            o_blk, lse_blk = block_attention_with_lse(q, k_blk, v_blk, scale)
+            m_blk = mask(src, real) if mask is not None else None
+            if m_blk is None:
+                o_blk, lse_blk = block_attention_with_lse(q, k_blk, v_blk, scale)
+            else:
+                o_blk, lse_blk = block_attention_with_lse(q, k_blk, v_blk, scale, m_blk)
             out, lse = (o_blk.float(), lse_blk) if out is None else _merge(out, lse, o_blk, lse_blk)
         if pending is not None:
             buf = pending.wait()
@@ -311,13 +364,25 @@ def _merge(
 
 
 def block_attention_with_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, attn_mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unmasked attention of q over one key block and its log-sum-exp (float32 `[B, H, Lq]`), on a fused kernel.
+    """Attention of q over one key block and its log-sum-exp (float32 `[B, H, Lq]`), on a fused kernel.
 
-    CPU: the flash kernel SDPA itself uses. CUDA (untested on CUDA hardware): the flash kernel for fp16/bf16,
-    else the memory-efficient one. Anything else: the chunked float32 math path. `out` may be in q's dtype.
+    CPU: the flash kernel SDPA itself uses (a mask as a float bias). CUDA (untested on CUDA hardware): the flash
+    kernel for fp16/bf16, else the memory-efficient one; with a mask, the chunked float32 math path. Anything
+    else: the math path. `out` may be in q's dtype. `attn_mask`: a key mask `[B or 1, 1, 1, Lk]`, bool (True:
+    attend) or float (added to the scores); where it masks every key of a batch row, lse is -inf there (the
+    kernels report 0), so the row adds nothing when blocks merge.
     """
+    if attn_mask is not None:
+        if q.device.type == "cpu":
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, 0.0, False, attn_mask=_as_bias(attn_mask, q.dtype), scale=scale
+            )
+        else:
+            out, lse = _attention_f32(q, k, v, attn_mask, scale)
+        attends = (attn_mask if attn_mask.dtype == torch.bool else attn_mask > float("-inf")).any(dim=-1)
+        return out, lse.masked_fill(~attends, float("-inf"))  # attends: [B or 1, 1, 1], broadcast over H and Lq
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)
         return out, lse
@@ -330,6 +395,18 @@ def block_attention_with_lse(
     return _attention_f32(q, k, v, None, scale)
 
 
+def _as_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A mask as an additive float bias of `dtype` (bool: 0 where True, -inf where False)."""
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+    return mask.to(dtype)
+
+
+def _as_sdpa_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A mask SDPA takes: bool as it is, float in the query dtype."""
+    return mask if mask.dtype == torch.bool else mask.to(dtype)
+
+
 def _attention_f32(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -337,7 +414,10 @@ def _attention_f32(
     key_valid: torch.Tensor | None,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Math-path attention in float32, query rows chunked to bound the score matrix."""
+    """Math-path attention in float32, query rows chunked to bound the score matrix.
+
+    `key_valid`: None, a bool mask (False keys ignored) or a float bias added to the scores.
+    """
     kf = k.float().transpose(-1, -2)
     vf = v.float()
     b, h, lq, _ = q.shape
@@ -346,8 +426,10 @@ def _attention_f32(
     outs, lses = [], []
     for start in range(0, lq, rows):
         scores = torch.matmul(q[:, :, start : start + rows].float(), kf) * scale
-        if key_valid is not None:
+        if key_valid is not None and key_valid.dtype == torch.bool:
             scores = scores.masked_fill(~key_valid, float("-inf"))
+        elif key_valid is not None:
+            scores = scores + key_valid.float()
         lse = torch.logsumexp(scores, dim=-1)
         ref = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
         outs.append(torch.matmul(torch.exp(scores - ref.unsqueeze(-1)), vf))

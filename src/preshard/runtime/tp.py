@@ -26,8 +26,8 @@ from preshard.format.styles import Style, TPRMSNorm
 from preshard.runtime import collectives
 
 
-class ParallelLinear(nn.Linear):
-    """nn.Linear whose forward is its sharding style's, with the TP group's all-reduce."""
+class _StyleForward:
+    """A module whose forward is its sharding style's, with the TP group's all-reduce (state on the module)."""
 
     preshard_style: Style
     preshard_forward: Callable[..., torch.Tensor]
@@ -40,6 +40,10 @@ class ParallelLinear(nn.Linear):
 
     def _all_reduce(self, out: torch.Tensor) -> torch.Tensor:
         return collectives.all_reduce_sum(out, self.tp_group) if self.tp_group is not None else out
+
+
+class ParallelLinear(_StyleForward, nn.Linear):
+    """nn.Linear whose forward is its sharding style's, with the TP group's all-reduce."""
 
 
 def parallelize_linear(
@@ -61,21 +65,10 @@ def unparallelize_linear(module: nn.Linear) -> None:
     module.__class__ = nn.Linear
 
 
-class ParallelNorm(nn.Module):
+class ParallelNorm(_StyleForward, nn.Module):
     """Mixin put in front of a norm's own class: its forward is the style's, with the TP group's all-reduce."""
 
-    preshard_style: Style
-    preshard_forward: Callable[..., torch.Tensor]
     preshard_full_width: int
-    tp_group: ProcessGroup | None
-    tp_rank: int
-    tp_size: int
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.preshard_forward(self, x, self.tp_rank, self.tp_size, self._all_reduce)
-
-    def _all_reduce(self, out: torch.Tensor) -> torch.Tensor:
-        return collectives.all_reduce_sum(out, self.tp_group) if self.tp_group is not None else out
 
 
 @functools.cache

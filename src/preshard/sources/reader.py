@@ -226,8 +226,11 @@ class SourceReader:
                     os.close(self.direct_fds.pop(band.path))
         if view is None:  # not direct, or the file ends early (the buffered read then names the truncation)
             view = band.buffer[: band.nbytes]
-            pread_into(self.fds[band.path], band.offset, [byte_view(view)], band.path.name)
-        self._feed(band.path, band.offset, byte_view(view))
+            data = byte_view(view)
+            pread_into(self.fds[band.path], band.offset, [data], band.path.name)
+        else:
+            data = byte_view(view)
+        self._feed(band.path, band.offset, data)
         return view
 
     def _start_direct(self, path: Path, offset: int, nbytes: int, buffer: torch.Tensor):

@@ -106,7 +106,8 @@ def parse_header(path: Path, size: int, raw: bytes, mtime_ns: int = 0) -> Safete
         raise SourceError(f"{where}: __metadata__ must map names to strings (the safetensors library rejects others)")
     data_start = 8 + len(raw)
     data_size = size - data_start
-    tensors = {name: _entry(Path(path), name, info, data_start, data_size) for name, info in header.items()}
+    path = Path(path)
+    tensors = {name: _entry(path, name, info, data_start, data_size) for name, info in header.items()}
     spans = sorted((t.start, t.end, t.name) for t in tensors.values())
     position = data_start
     for start, end, name in spans:
@@ -117,7 +118,7 @@ def parse_header(path: Path, size: int, raw: bytes, mtime_ns: int = 0) -> Safete
         position = end
     if position != size:
         raise SourceError(f"{where}: {size - position} trailing bytes belong to no tensor; the file is corrupt")
-    return SafetensorsHeader(Path(path), size, data_start, tensors, metadata, text, mtime_ns)
+    return SafetensorsHeader(path, size, data_start, tensors, metadata, text, mtime_ns)
 
 
 def check_shape(shape: Any, dtype: torch.dtype, where: str) -> tuple[int, ...]:

@@ -494,6 +494,19 @@ def _existing(path: Path) -> Path:
     return path
 
 
+def _output_fields(run: DryRun | WriteDryRun) -> dict[str, Any]:
+    """What every dry run says of its output: disk space, the time estimate, notes."""
+    return {
+        "needed_bytes": run.needed_bytes,
+        "free_bytes": run.free_bytes,
+        "fits_disk": run.space_error is None,
+        "space_error": run.space_error,
+        "estimate_seconds": None if run.estimate is None else round(run.estimate.seconds, 3),
+        "estimate": None if run.estimate is None else run.estimate.to_dict(),
+        "notes": list(run.notes),
+    }
+
+
 def dry_run_json(run: DryRun) -> dict[str, Any]:
     """What `convert-checkpoint --dry-run --json` prints: the same figures as the text, in bytes and seconds."""
     r = run.per_rank
@@ -514,13 +527,7 @@ def dry_run_json(run: DryRun) -> dict[str, Any]:
         "read_bytes_per_rank": r.read,
         "data_file_bytes": list(r.file_sizes),
         "output": str(run.output),
-        "needed_bytes": run.needed_bytes,
-        "free_bytes": run.free_bytes,
-        "fits_disk": run.space_error is None,
-        "space_error": run.space_error,
-        "estimate_seconds": None if run.estimate is None else round(run.estimate.seconds, 3),
-        "estimate": None if run.estimate is None else run.estimate.to_dict(),
-        "notes": list(run.notes),
+        **_output_fields(run),
         "loras": [dict(lora) for lora in run.loras],
     }
 
@@ -692,13 +699,7 @@ def write_dry_run_json(run: WriteDryRun) -> dict[str, Any]:
         "linked": run.linked,
         "files": [{"name": n, "size": s} for n, s in run.files],
         "output_bytes": sum(s for _, s in run.files),
-        "needed_bytes": run.needed_bytes,
-        "free_bytes": run.free_bytes,
-        "fits_disk": run.space_error is None,
-        "space_error": run.space_error,
-        "estimate_seconds": None if run.estimate is None else round(run.estimate.seconds, 3),
-        "estimate": None if run.estimate is None else run.estimate.to_dict(),
-        "notes": list(run.notes),
+        **_output_fields(run),
     }
 
 
