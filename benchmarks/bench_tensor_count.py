@@ -44,21 +44,14 @@ from _harness import bench_env, loadavg, timed
 GENERATE = textwrap.dedent(
     """
     import json, sys
-    from preshard.examples.synthetic import write_safetensors_checkpoint
+    from preshard.examples.synthetic import MANY_TENSORS_PLAN, many_tiny_tensors, write_safetensors_checkpoint
     folder, count, files = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    tensors = {}
-    for i in range(count // 4):
-        tensors[f"blocks.{i}.proj.weight"] = ("BF16", (8, 4))
-        tensors[f"blocks.{i}.proj.bias"] = ("BF16", (8,))
-        tensors[f"blocks.{i}.out.weight"] = ("F32", (4, 8))
-        tensors[f"blocks.{i}.norm.weight"] = ("F32", (4,))
+    tensors = many_tiny_tensors(count)
     total = sum(128 if n.endswith("out.weight") else 64 if n.endswith("proj.weight") else 16 for n in tensors)
     shard = None if files <= 1 else -(-total // files)
     write_safetensors_checkpoint(folder, tensors, {"_class_name": "ManyTensors"}, data="random", max_shard_bytes=shard)
-    plan = {"format": 1, "name": "many-tensors", "linear": [
-        {"match": "blocks.*.proj", "style": "colwise"}, {"match": "blocks.*.out", "style": "rowwise"}]}
     with open(sys.argv[4], "w") as f:
-        json.dump(plan, f)
+        json.dump(MANY_TENSORS_PLAN, f)
     print(len(tensors))
     """
 )

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from multiproc import init_gloo, run_ranks
+from multiproc import error_of, init_gloo, run_ranks
 from tiny_builtin import build as build_builtin
 from tiny_diffusers import build, save
 
@@ -167,14 +167,6 @@ def _checked_forward(net, inputs) -> tuple[Any, list[str], list]:
     return out, checker.violations, [(c.op, c.shape) for c in checker.calls if c.op == "all_gather_cat"]
 
 
-def _one_line_error(fn) -> str | None:
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - reported to the parent test
-        return f"{type(exc).__name__}: {exc}"
-    return None
-
-
 def _flux_rank(rank: int, world: int, checkpoints: dict, references: dict, meshes) -> dict:
     from diffusers import FluxTransformer2DModel
 
@@ -199,7 +191,7 @@ def _flux_rank(rank: int, world: int, checkpoints: dict, references: dict, meshe
             wrong = net(**flux_inputs(13, 5), return_dict=False)[0]
         run["wrong_order_diff"] = (wrong - references["flux"][(13, 5)]).abs().max().item()
         runtime.join_order = ()
-        run["no_order_error"] = _one_line_error(lambda net=net: net(**flux_inputs(13, 5), return_dict=False))
+        run["no_order_error"] = error_of(lambda net=net: net(**flux_inputs(13, 5), return_dict=False))
         with torch.no_grad():  # lengths the CP size divides need no join order
             even = net(**flux_inputs(*EVEN), return_dict=False)[0]
         run["no_order_even_diff"] = (even - references["flux"][EVEN]).abs().max().item()
@@ -268,7 +260,7 @@ def _pipeline_calls_rank(rank: int, world: int, checkpoints: dict, references: d
     net.set_attn_processor(FluxAttnProcessor())
     out["set_attn_processor"] = diff()
     net.set_attention_backend("flex")
-    out["flex"] = _one_line_error(diff)
+    out["flex"] = error_of(diff)
     net.reset_attention_backend()
 
     class NoSDPA:  # a processor that computes attention some other way
@@ -276,12 +268,12 @@ def _pipeline_calls_rank(rank: int, world: int, checkpoints: dict, references: d
             return (hidden_states, encoder_hidden_states) if encoder_hidden_states is not None else hidden_states
 
     net.set_attn_processor(NoSDPA())
-    out["no_sdpa"] = _one_line_error(diff)
+    out["no_sdpa"] = error_of(diff)
     net.set_attn_processor(FluxAttnProcessor())
     for module in net.modules():  # what enable_parallelism leaves on every processor
         if hasattr(module, "processor"):
             module.processor._parallel_config = object()
-    out["enable_parallelism"] = _one_line_error(diff)
+    out["enable_parallelism"] = error_of(diff)
     return out
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from multiproc import init_gloo, run_ranks
+from multiproc import error_of, init_gloo, run_ranks
 from tiny_builtin import build
 from tiny_diffusers import randomize, save
 
@@ -119,14 +119,6 @@ def references() -> dict:
     return refs
 
 
-def _error(fn) -> str | None:
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - reported to the parent test
-        return f"{type(exc).__name__}: {exc}"
-    return None
-
-
 def _ignoring_masks(net) -> None:
     """Negative control: this model's CP attention drops every attention mask it is given."""
     runtime = net._preshard_cp
@@ -170,7 +162,7 @@ def _compiled_product_mask(net) -> dict:
     torch._dynamo.reset()
     attend = torch.compile(lambda *a: runtime.attend("attn", *a), backend="aot_eager", fullgraph=True)
     eager = runtime.attend("attn", q, k, v, mask)
-    return {"diff": (attend(q, k, v, mask) - eager).abs().max().item(), "bad": _error(lambda: attend(q, k, v, bad))}
+    return {"diff": (attend(q, k, v, mask) - eager).abs().max().item(), "bad": error_of(lambda: attend(q, k, v, bad))}
 
 
 def _rank(rank: int, world: int, checkpoints: dict, references: dict, meshes) -> dict:
@@ -206,7 +198,7 @@ def _rank(rank: int, world: int, checkpoints: dict, references: dict, meshes) ->
 
         net = load_sharded(HunyuanVideoTransformer3DModel, checkpoints[("hunyuanvideo", 1)], ring=2)
         results["compiled"] = _compiled(net, "hunyuanvideo", references[("hunyuanvideo", 0)])
-        results["token_replace"] = _error(
+        results["token_replace"] = error_of(
             lambda: load_sharded(HunyuanVideoTransformer3DModel, checkpoints["token_replace"], ulysses=2)
         )
     return results

@@ -29,18 +29,14 @@ import torch
 from torch import nn
 
 from preshard.converter.convert import convert_checkpoint
-from preshard.examples.synthetic import write_safetensors_checkpoint
+from preshard.examples.synthetic import MANY_TENSORS_PLAN, many_tiny_tensors, write_safetensors_checkpoint
 from preshard.format.manifest import read_manifest
 from preshard.tools.planner import plan_meshes
 from preshard.tools.reshard import reshard_checkpoint
 from preshard.tools.unshard import unshard_checkpoint
 from preshard.tools.verify import verify_checkpoint
 
-PLAN = {
-    "format": 1,
-    "name": "many-tensors",
-    "linear": [{"match": "blocks.*.proj", "style": "colwise"}, {"match": "blocks.*.out", "style": "rowwise"}],
-}
+PLAN = MANY_TENSORS_PLAN
 SMALL, LARGE = 256, 1024  # tensors
 LINEAR = 4.5  # the most a linear command's calls may grow from SMALL to LARGE tensors (4x, with some slack)
 
@@ -48,12 +44,7 @@ LINEAR = 4.5  # the most a linear command's calls may grow from SMALL to LARGE t
 def many_tensors(folder: Path, count: int, files: int = 1) -> tuple[Path, Path]:
     """A source of `count` tiny tensors (count/4 blocks: colwise bf16 weight and bias, rowwise fp32 weight, a norm)
     and its plan file."""
-    tensors = {}
-    for i in range(count // 4):
-        tensors[f"blocks.{i}.proj.weight"] = ("BF16", (8, 4))
-        tensors[f"blocks.{i}.proj.bias"] = ("BF16", (8,))
-        tensors[f"blocks.{i}.out.weight"] = ("F32", (4, 8))
-        tensors[f"blocks.{i}.norm.weight"] = ("F32", (4,))
+    tensors = many_tiny_tensors(count)
     shard = None if files == 1 else (count // 4) * 240 // files + 1
     write_safetensors_checkpoint(folder, tensors, {"_class_name": "ManyTensors"}, data="random", max_shard_bytes=shard)
     plan = folder.parent / f"{folder.name}-plan.json"

@@ -17,7 +17,7 @@ import traceback
 
 import pytest
 import torch
-from multiproc import init_gloo, run_ranks
+from multiproc import error_of, init_gloo, run_ranks
 from tiny_diffusers import VIDEO_TOKENS, build, save
 
 from preshard.converter.convert import convert_checkpoint
@@ -187,17 +187,11 @@ def _rank_cp(rank: int, world: int, checkpoints: dict[str, str], runs: list[tupl
             if name == "skyreels_v2":  # asynchronous diffusion forcing: a mask by query and key position
                 for m in (model, net):
                     m._set_ar_attention(2)
-                results[(name, ulysses, ring, "causal")] = _error(lambda net=net, inputs=inputs: _outputs(net, inputs))
+                results[(name, ulysses, ring, "causal")] = error_of(
+                    lambda net=net, inputs=inputs: _outputs(net, inputs)
+                )
                 assert _outputs(model, inputs)  # the unsharded model runs it
     return results
-
-
-def _error(fn) -> str | None:
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - reported to the parent test
-        return f"{type(exc).__name__}: {exc}"
-    return None
 
 
 @pytest.fixture(scope="module")

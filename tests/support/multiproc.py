@@ -85,6 +85,15 @@ def init_gloo(timeout_s: float = 60.0) -> None:
         dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
 
 
+def error_of(fn: Callable[[], Any]) -> str | None:
+    """Call `fn` in a rank; what it raised as "Type: message" (picklable, for the parent test), else None."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - reported to the parent test
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 def _worker(
     rank: int,
     world_size: int,

@@ -13,6 +13,8 @@ of random number generation, for values that no benchmark looks at. So:
   numbered set with its index) with real safetensors headers, streaming the data from one repeated
   random buffer, or as a hole (`os.truncate`), so the full 66 GB model costs no disk and no time
   when only the headers matter.
+* `many_tiny_tensors` and `MANY_TENSORS_PLAN`: a source of any number of tiny tensors and its plan, for what
+  must cost time linear in the tensor count (tests/test_tensor_count.py, benchmarks/bench_tensor_count.py).
 
 diffusers is imported lazily (through `examples.minimax_h3`): it is optional and slow to import.
 """
@@ -101,6 +103,24 @@ def model_tensors(cls: type, **config: Any) -> tuple[TensorSpecs, dict[str, Any]
         if not key.startswith("_"):
             out[key] = list(value) if isinstance(value, tuple) else value
     return tensors, out
+
+
+MANY_TENSORS_PLAN: dict[str, Any] = {
+    "format": 1,
+    "name": "many-tensors",
+    "linear": [{"match": "blocks.*.proj", "style": "colwise"}, {"match": "blocks.*.out", "style": "rowwise"}],
+}
+
+
+def many_tiny_tensors(count: int) -> TensorSpecs:
+    """`count`/4 blocks of four tiny tensors: a colwise bf16 weight and its bias, a rowwise fp32 weight, a norm."""
+    tensors: TensorSpecs = {}
+    for i in range(count // 4):
+        tensors[f"blocks.{i}.proj.weight"] = ("BF16", (8, 4))
+        tensors[f"blocks.{i}.proj.bias"] = ("BF16", (8,))
+        tensors[f"blocks.{i}.out.weight"] = ("F32", (4, 8))
+        tensors[f"blocks.{i}.norm.weight"] = ("F32", (4,))
+    return tensors
 
 
 def tensor_nbytes(spec: tuple[str, tuple[int, ...]]) -> int:
