@@ -317,7 +317,7 @@ def xla_world(monkeypatch):
     """4 ranks on a fake TPU; this rank is global rank `me` of whatever group `group_ranks` returns."""
     fake = FakeXla(monkeypatch, world_size=4, platform="TPU")
     monkeypatch.setattr(C, "_XLA_REPLICA_GROUPS", {})
-    monkeypatch.setattr(C, "_is_xla", lambda group: True)
+    monkeypatch.setattr(C, "_is_xla", lambda tensor: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
     C.check_backend_supports(
         "xla", {"tp": [[0, 2], [1, 3]], "ring": [[0, 1], [2, 3]], "ulysses": [[0], [1], [2], [3]]}, 4
@@ -365,7 +365,7 @@ def test_xla_cp_gather_finds_its_groups_for_any_axis_order(monkeypatch):
 
     fake = FakeXla(monkeypatch, world_size=8, platform="TPU")
     monkeypatch.setattr(C, "_XLA_REPLICA_GROUPS", {})
-    monkeypatch.setattr(C, "_is_xla", lambda group: True)
+    monkeypatch.setattr(C, "_is_xla", lambda tensor: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 8)
     mesh = MeshSpec.build(tp=2, ring=2, ulysses=2, order="tp,ulysses,ring")
     assert mesh.groups("cp") == [[0, 2, 1, 3], [4, 6, 5, 7]]

@@ -134,7 +134,7 @@ def all_reduce_sum(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Te
     if _ACTIVE is not None:
         _ACTIVE._record("all_reduce_sum", ranks, tensor)
     if len(ranks) > 1:
-        if _is_xla(group):
+        if _is_xla(tensor):
             xm = _xla_model()
             # The list form reduces in place.
             xm.all_reduce(xm.REDUCE_SUM, [tensor], groups=_replica_groups(ranks, "all_reduce_sum"), pin_layout=False)
@@ -171,7 +171,7 @@ def all_gather_equal(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.
 
 def _gather_dim0(moved: torch.Tensor, group: ProcessGroup | None, ranks: list[int], op: str) -> torch.Tensor:
     """Concatenate every group rank's `moved` along dim 0, in group-rank order."""
-    if _is_xla(group):
+    if _is_xla(moved):
         # XLA concatenates in the order the replica group lists its members, which is group-rank order.
         groups = _replica_groups(ranks, op)
         return _xla_model().all_gather(moved, dim=0, groups=groups, pin_layout=False)
@@ -219,7 +219,7 @@ def all_to_all_equal(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.
     if len(ranks) == 1:
         return tensor
     tensor = tensor.contiguous()
-    if _is_xla(group):
+    if _is_xla(tensor):
         # torch_xla's all_to_all_single ignores the group (it splits over the whole world): call XLA directly.
         groups = _replica_groups(ranks, "all_to_all_equal")
         return _xla_model().all_to_all(tensor, 0, 0, len(ranks), groups=groups, pin_layout=False)
@@ -259,7 +259,7 @@ def ring_pass_async(tensor: torch.Tensor, group: ProcessGroup | None) -> Pending
     n = len(ranks)
     if n == 1:
         return PendingRingPass(tensor, False)
-    if _is_xla(group):
+    if _is_xla(tensor):
         # One collective_permute for every ring of the axis, pairs in one global order, the same on every
         # rank (torch_xla's batch_isend_irecv would issue a permute per pair, in a rank-dependent order).
         rings = _replica_groups(ranks, "ring_pass")
@@ -287,7 +287,7 @@ def _check_equal_shapes(tensor: torch.Tensor, group: ProcessGroup | None, ranks:
     desc = [tensor.dim(), tensor.element_size(), *tensor.shape]
     desc += [-1] * (_MAX_SHAPE_DIMS + 2 - len(desc))
     mine = torch.tensor(desc, dtype=torch.int64, device=tensor.device)
-    if _is_xla(group):
+    if _is_xla(mine):
         everyone = list(_gather_dim0(mine.unsqueeze(0), group, ranks, op).cpu())
     else:
         everyone = [torch.empty_like(mine) for _ in ranks]
@@ -358,8 +358,11 @@ def check_backend_supports(
             _XLA_REPLICA_GROUPS[tuple(g)] = ordered
 
 
-def _is_xla(group: ProcessGroup | None) -> bool:
-    return str(dist.get_backend(group)).lower() == "xla"
+def _is_xla(tensor: torch.Tensor) -> bool:
+    """Whether the collective runs on torch_xla: read from the tensor, not the group, because a traced
+    `dist.get_backend` breaks torch.compile(fullgraph=True) on torch 2.9 (its backend map is keyed by the group).
+    load_sharded has checked that the process group's backend fits the device."""
+    return tensor.device.type == "xla"
 
 
 def _xla_model():

@@ -113,9 +113,16 @@ def attach_input_check(model: nn.Module, mode: str, device: torch.device) -> Inp
             break
         positional.append(name)
     check = InputCheck(mode=mode, device=str(device), positional=tuple(positional), model=type(model).__name__)
-    model.register_forward_pre_hook(check, with_kwargs=True, prepend=True)
     setattr(model, CHECK_ATTRIBUTE, check)
+    model.register_forward_pre_hook(_input_check_hook, with_kwargs=True, prepend=True)
     return check
+
+
+def _input_check_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    # A plain function that reads the check from the module, not the check object as the hook: torch 2.9's
+    # dynamo builds a wrong guard for the state of a callable-object hook of a module called inside a compiled
+    # function (the pipeline step compiled whole), and fails to compile it.
+    return getattr(module, CHECK_ATTRIBUTE)(module, args, kwargs)
 
 
 def _collect(value: Any, name: str, out: list[tuple[str, torch.Tensor]]) -> None:
