@@ -300,3 +300,30 @@ def test_compiled_fullgraph_at_tp2_keeps_the_check(world2):
         assert compiled["inline"] == [1]  # compiled from a caller: one graph, the check in it
         assert compiled["diff"] <= TOL, (rank, compiled["diff"])
         assert compiled["refused"] is not None and "holds other values" in compiled["refused"], compiled["refused"]
+
+
+def _counted_under_inductor(rank: int, world: int) -> list[int]:
+    from preshard.runtime.consistency import attach_input_check
+
+    init_gloo()
+    net = torch.nn.Linear(4, 4)
+    check = attach_input_check(net, "check", torch.device("cpu"))
+    counts = []
+    with torch.no_grad():
+        net(torch.ones(2, 4))
+        counts.append(int(check.checked))
+        compiled = torch.compile(net, fullgraph=True, backend="inductor")
+        compiled(torch.ones(2, 4))
+        compiled(torch.ones(2, 4))
+        counts.append(int(check.checked))
+        check.mode = "broadcast"
+        compiled(torch.ones(2, 4))
+        counts.append(int(check.checked))
+    return counts
+
+
+def test_every_compiler_keeps_the_check():
+    """Each checked forward adds one to `checked`, compiled by inductor too: torch 2.9's inductor dropped the op
+    when it only had a registered side effect and no output, so the counter is a real mutation it must keep."""
+    [counts] = run_ranks(_counted_under_inductor, 1, timeout=300)
+    assert counts == [1, 3, 4]

@@ -46,6 +46,18 @@ def _environment(rank: int, world_size: int, key: str) -> tuple[str | None, int]
     return os.environ.get(key), os.getppid()
 
 
+def _hub_cache(rank: int, world_size: int) -> tuple[str, int]:
+    import huggingface_hub.constants
+
+    return huggingface_hub.constants.HF_HUB_CACHE, os.getppid()
+
+
+def _server_pid() -> int | None:
+    from multiprocessing import forkserver
+
+    return forkserver._forkserver._forkserver_pid
+
+
 def _assert_gone(pids: list[int]) -> None:
     assert multiprocessing.active_children() == []
     for pid in pids:
@@ -79,10 +91,19 @@ def test_a_rank_has_the_parents_current_environment_and_forks_from_the_server_un
     [(value, parent)] = run_ranks(_environment, 1, "SOME_TEST_VALUE")
     assert value == "changed since"  # the parent's environment now, not the server's at its start
     assert parent != os.getpid()  # forked by the forkserver
-    # A variable huggingface_hub reads at import: the server's import would be stale, so the rank is spawned.
+    # A variable huggingface_hub reads at import, set for one call only: the server's import would be stale for
+    # it, so the rank is spawned.
+    [(cache, parent)] = run_ranks(_hub_cache, 1, env={"HF_HUB_CACHE": "/nonexistent/for-one-call"})
+    assert cache == "/nonexistent/for-one-call" and parent == os.getpid()
+    # The same variable changed in this process's own environment (as importing diffusers sets PJRT_DEVICE where
+    # torch_xla is installed): the server restarts under it, and ranks fork again, importing with the new value.
+    server = _server_pid()
     monkeypatch.setenv("HF_HUB_CACHE", "/nonexistent/elsewhere")
-    [(value, parent)] = run_ranks(_environment, 1, "HF_HUB_CACHE")
-    assert value == "/nonexistent/elsewhere" and parent == os.getpid()
+    [(cache, parent)] = run_ranks(_hub_cache, 1)
+    assert cache == "/nonexistent/elsewhere" and parent != os.getpid()
+    assert _server_pid() != server
+    [(cache, again)] = run_ranks(_hub_cache, 1)
+    assert cache == "/nonexistent/elsewhere" and again == parent  # one restart, then the same server
 
 
 def test_a_failing_rank_surfaces_its_traceback():

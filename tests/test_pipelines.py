@@ -114,7 +114,9 @@ def _rank(rank: int, world: int, checkpoints: dict, refs: dict) -> dict:
                 "tp_hooks": len(report.modules_with("tp:")),
                 "cp_hooks": len(report.modules_with("cp: attention")),
                 "input_check": report.input_check,
-                "input_hook_live": any(type(h).__name__ == "InputCheck" for h in net._forward_pre_hooks.values()),
+                "input_hook_live": any(
+                    getattr(h, "__name__", "") == "_input_check_hook" for h in net._forward_pre_hooks.values()
+                ),
             }
             if mesh in SURFACE_MESHES:
                 run["surface"] = _surface(rank, case, net, pipe, refs)

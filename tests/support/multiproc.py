@@ -54,13 +54,22 @@ def _start_context(environ: dict[str, str]):
     wanted = _import_time_env(environ)
     if os.environ.get("PRESHARD_TEST_START") == "spawn":
         return get_context("spawn")
-    if _forkserver_env is None:
-        if wanted != _import_time_env(dict(os.environ)):
-            return get_context("spawn")
-        # Started at its first use, by this process, with this process's environment.
-        _forkserver_env = wanted
-        get_context("forkserver").set_forkserver_preload(_PRELOAD)
-    return get_context("forkserver") if wanted == _forkserver_env else get_context("spawn")
+    if wanted == _forkserver_env:
+        return get_context("forkserver")
+    if wanted != _import_time_env(dict(os.environ)):
+        return get_context("spawn")  # a call of its own environment: the server's imports would not fit it
+    if _forkserver_env is not None:
+        # This process's own import-time environment changed since the server started (importing diffusers
+        # sets PJRT_DEVICE where torch_xla is installed): restart the server under it rather than spawn every
+        # rank from here on. multiprocessing has no public way to stop its forkserver; `_stop` is what its own
+        # tests use, and the next rank started restarts it with this process's environment.
+        from multiprocessing import forkserver
+
+        forkserver._forkserver._stop()
+    # Started at its first use, by this process, with this process's environment.
+    _forkserver_env = wanted
+    get_context("forkserver").set_forkserver_preload(_PRELOAD)
+    return get_context("forkserver")
 
 
 # After the first rank fails, wait this long for the others' reports before killing them: a second

@@ -11,8 +11,10 @@ when they differ does a second exchange find the argument, and every rank raises
 `InconsistentInputsError`.
 
 The comparison and the raise run inside custom ops (`preshard::check_inputs`, `preshard::broadcast_inputs`),
-opaque to torch.compile and registered as having side effects, so that the hook traces with
-`torch.compile(model, fullgraph=True)` without a graph break and no compiler drops the check. Mode
+opaque to torch.compile, so that the hook traces with `torch.compile(model, fullgraph=True)` without a graph
+break. Each op also adds one to the check's counter (`model.preshard_input_check.checked`, a tensor on the
+rank's device): a real mutation, which every compiler keeps. (Registering the ops as having side effects is not
+enough: torch 2.9's inductor drops an op with no output.) Mode
 "broadcast" replaces every rank's tensor inputs by rank 0's instead (after checking that names, dtypes and
 shapes agree), for callers that cannot make their ranks agree. The hook's state (the mode) lives on the
 model, as `model.preshard_input_check`.
@@ -24,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.fx
 from torch import nn
 
 from preshard.errors import InconsistentInputsError, UsageError
@@ -56,6 +57,7 @@ class InputCheck:
     device: str  # where the fingerprints are exchanged: the rank's device
     positional: tuple[str, ...]  # forward's parameter names, to name positional arguments
     model: str  # the model's class name, for messages
+    checked: torch.Tensor  # int64 [1] on the device: forwards checked (or broadcast) so far; the ops add one
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if self.mode == "off":
@@ -72,9 +74,10 @@ class InputCheck:
         tensors = [t for _, t in leaves]
         context = f"{self.model}\n{self.device}"
         if self.mode != "broadcast":
-            torch.ops.preshard.check_inputs(tensors, names, context)
+            torch.ops.preshard.check_inputs(self.checked, tensors, names, context)
             return None
-        replaced = torch.ops.preshard.broadcast_inputs(tensors, names, context)
+        counted, *replaced = torch.ops.preshard.broadcast_inputs(self.checked, tensors, names, context)
+        self.checked.copy_(counted)
         position = [0]
         new_args = tuple(_replace(value, replaced, position) for value in args)
         new_kwargs = {key: _replace(kwargs[key], replaced, position) for key in keys}
@@ -112,7 +115,13 @@ def attach_input_check(model: nn.Module, mode: str, device: torch.device) -> Inp
         if param.kind not in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD):
             break
         positional.append(name)
-    check = InputCheck(mode=mode, device=str(device), positional=tuple(positional), model=type(model).__name__)
+    check = InputCheck(
+        mode=mode,
+        device=str(device),
+        positional=tuple(positional),
+        model=type(model).__name__,
+        checked=torch.zeros(1, dtype=torch.int64, device=device),
+    )
     setattr(model, CHECK_ATTRIBUTE, check)
     model.register_forward_pre_hook(_input_check_hook, with_kwargs=True, prepend=True)
     return check
@@ -339,31 +348,30 @@ def _split(names: str) -> list[str]:
 
 
 @torch.library.custom_op(
-    "preshard::check_inputs", mutates_args=(), schema="(Tensor[] tensors, str names, str context) -> ()"
+    "preshard::check_inputs",
+    mutates_args=("checked",),
 )
-def _check_inputs_op(tensors: list[torch.Tensor], names: str, context: str) -> None:
+def _check_inputs_op(checked: torch.Tensor, tensors: list[torch.Tensor], names: str, context: str) -> None:
     model, device = context.split("\n")
     compare_across_ranks(list(tensors), _split(names), torch.device(device), model)
+    checked.add_(1)
 
 
 @_check_inputs_op.register_fake
-def _(tensors: list[torch.Tensor], names: str, context: str) -> None:
+def _(checked: torch.Tensor, tensors: list[torch.Tensor], names: str, context: str) -> None:
     return None
 
 
-@torch.library.custom_op(
-    "preshard::broadcast_inputs", mutates_args=(), schema="(Tensor[] tensors, str names, str context) -> Tensor[]"
-)
-def _broadcast_inputs_op(tensors: list[torch.Tensor], names: str, context: str) -> list[torch.Tensor]:
+@torch.library.custom_op("preshard::broadcast_inputs", mutates_args=())
+def _broadcast_inputs_op(
+    checked: torch.Tensor, tensors: list[torch.Tensor], names: str, context: str
+) -> list[torch.Tensor]:
+    # The count comes back as an output (the hook copies it into `checked`): torch cannot functionalize an op
+    # that both mutates an input and returns a list of tensors.
     model, device = context.split("\n")
-    return broadcast_from_rank0(list(tensors), _split(names), torch.device(device), model)
+    return [checked + 1, *broadcast_from_rank0(list(tensors), _split(names), torch.device(device), model)]
 
 
 @_broadcast_inputs_op.register_fake
-def _(tensors: list[torch.Tensor], names: str, context: str) -> list[torch.Tensor]:
-    return [torch.empty_like(t) for t in tensors]
-
-
-# Neither op's result feeds the forward (check) or only partly (broadcast): keep them in every graph.
-torch.fx.node.has_side_effect(torch.ops.preshard.check_inputs.default)
-torch.fx.node.has_side_effect(torch.ops.preshard.broadcast_inputs.default)
+def _(checked: torch.Tensor, tensors: list[torch.Tensor], names: str, context: str) -> list[torch.Tensor]:
+    return [torch.empty_like(checked), *[torch.empty_like(t) for t in tensors]]
