@@ -52,7 +52,7 @@ def check_rank_files(out: Path, source: dict[str, torch.Tensor], rules, tp: int)
         style, blocks = rule_for(name, rules)
         param = name.rpartition(".")[2]
         assert layout.shape == tuple(w.shape), name
-        assert layout.dtype == layout.source_dtype == w.dtype, name
+        assert layout.dtype is layout.source_dtype and layout.dtype.torch == w.dtype, name
         assert layout.style.name == style, name
         expected_by_rank = {r: hand_slices(w, style, param, blocks, tp, r) for r in range(tp)}
         if expected_by_rank[0] is None:  # kept whole: one chunk, stored once, owned by no TP rank
@@ -401,15 +401,15 @@ def test_tp_that_does_not_divide_lists_working_degrees(tiny_src, tmp_path):
 def test_dtype_bf16_casts_floating_tensors(tiny_src, tiny_state, tmp_path):
     out = tmp_path / "out"
     manifest = convert_checkpoint(tiny_src, out, tp=2, dtype="bf16", progress=False)
-    assert manifest.dtype == torch.bfloat16
+    assert manifest.dtype.torch == torch.bfloat16
     back = reassemble(out, tmp_path)
     assert set(back) == set(tiny_state)
     fp32 = [n for n, t in tiny_state.items() if t.dtype == torch.float32]
     assert "proj_in.weight" in fp32 and "time_embedder.linear_2.weight" in fp32
     for name, source in tiny_state.items():
         record = manifest.tensors[name]
-        assert record.layout.dtype == torch.bfloat16, name
-        assert record.layout.source_dtype == source.dtype, name
+        assert record.layout.dtype.torch == torch.bfloat16, name
+        assert record.layout.source_dtype.torch == source.dtype, name
         assert_same(back[name], source.to(torch.bfloat16), name)
         assert sum(c.data_length for c in record.chunks) == source.numel() * 2, name
 
@@ -436,7 +436,7 @@ def test_dtype_keeps_int_and_float8_tensors(tmp_path):
     out = tmp_path / "out"
     manifest = convert_checkpoint(folder / "weights.safetensors", out, tp=2, plan=plan, dtype="bf16", progress=False)
     assert manifest.config is None and not (out / "config.json").exists()
-    dtypes = {n: (t.layout.dtype, t.layout.source_dtype) for n, t in manifest.tensors.items()}
+    dtypes = {n: (t.layout.dtype.torch, t.layout.source_dtype.torch) for n, t in manifest.tensors.items()}
     assert dtypes == {
         "lin.weight": (torch.bfloat16, torch.float32),
         "lin.bias": (torch.bfloat16, torch.float16),

@@ -41,6 +41,7 @@ from preshard.converter import convert as convert_module
 from preshard.converter.convert import convert_checkpoint
 from preshard.errors import CorruptCheckpointError, MismatchError, UsageError
 from preshard.format.manifest import DCP_METADATA_NAME, read_manifest
+from preshard.plans import from_model
 from preshard.runtime.load import load_sharded
 from preshard.tools.reshard import reshard_checkpoint
 from preshard.tools.verify import verify_checkpoint
@@ -479,7 +480,7 @@ def test_running_out_of_memory_in_the_plan_check_is_one_line(base, tmp_path, mon
     def out_of_memory(*args, **kwargs):
         raise MemoryError
 
-    monkeypatch.setattr(convert_module, "check_plan_against_model", out_of_memory)
+    monkeypatch.setattr(from_model, "check_plan_against_model", out_of_memory)
     code, _, stderr = cli("convert", source, tmp_path / "out", "--tp", "2", "--plan", plan, "--no-progress")
     assert_one_line(code, stderr, 2, "out of memory while converting")
     from preshard.errors import ResourceError

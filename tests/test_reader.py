@@ -23,9 +23,9 @@ def _read(checkpoint, tp_rank: int, *, staged: bool, dtype=None, verify=False) -
         layout = record.layout
         shape = layout.local_shape(manifest.tp)
         if staged and len(shape) == 2:  # a transposed view is not contiguous: its chunks go through staging
-            targets[name] = torch.empty(tuple(reversed(shape)), dtype=dtype or layout.dtype).T
+            targets[name] = torch.empty(tuple(reversed(shape)), dtype=dtype or layout.dtype.torch).T
         else:
-            targets[name] = torch.empty(shape, dtype=dtype or layout.dtype)
+            targets[name] = torch.empty(shape, dtype=dtype or layout.dtype.torch)
     with ShardReader(checkpoint, manifest, tp_rank, verify=verify, pin=False) as reader:
         reader.read_all(targets)
     return targets

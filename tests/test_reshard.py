@@ -118,8 +118,8 @@ def test_inspect_shows_where_a_resharded_checkpoint_came_from(resharded, convert
 def test_reshard_of_a_cast_checkpoint_keeps_the_cast_and_the_source_dtypes(tmp_path, converted, tiny_sources):
     out = tmp_path / "bf16-tp4"
     manifest = reshard_checkpoint(converted("mixed", 2, dtype="bf16"), out, tp=4, progress=False)
-    assert manifest.dtype == torch.bfloat16
-    assert {r.layout.source_dtype for r in manifest.tensors.values()} == {torch.float32, torch.bfloat16}
+    assert manifest.dtype.torch == torch.bfloat16
+    assert {r.layout.source_dtype.torch for r in manifest.tensors.values()} == {torch.float32, torch.bfloat16}
     _assert_same_as_direct(out, converted("mixed", 4, dtype="bf16"))
     assert verify_checkpoint(out, source=tiny_sources("mixed")).ok
 
@@ -333,7 +333,7 @@ def test_unshard_output_loads_with_diffusers_from_pretrained(tmp_path, converted
 
 def test_unshard_undoes_a_lossless_cast_and_refuses_a_lossy_one(tmp_path, converted, tiny_sources):
     widened = converted("bfloat16", 2, dtype="fp32")
-    assert {r.layout.dtype for r in read_manifest(widened).tensors.values()} == {torch.float32}
+    assert {r.layout.dtype.torch for r in read_manifest(widened).tensors.values()} == {torch.float32}
     unshard_checkpoint(widened, tmp_path / "bf16", progress=False)
     _assert_same_files(tmp_path / "bf16", tiny_sources("bfloat16"))
 

@@ -190,7 +190,7 @@ def _local_tensors(checkpoint: Path, manifest: Manifest) -> dict[tuple[int, str]
     for tp_rank in range(manifest.tp):
         with ShardReader(checkpoint, manifest, tp_rank, verify=False, pin=False) as reader:
             for name, record in manifest.tensors.items():
-                local = torch.empty(record.layout.local_shape(manifest.tp), dtype=record.layout.dtype)
+                local = torch.empty(record.layout.local_shape(manifest.tp), dtype=record.layout.dtype.torch)
                 reader.read(name, local)
                 out[(tp_rank, name)] = (str(local.dtype), tuple(local.shape), local.view(torch.uint8).numpy().tobytes())
     return out

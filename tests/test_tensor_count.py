@@ -174,7 +174,8 @@ def test_the_model_check_grows_linearly_with_the_module_count():
     (whether a built-in plan may skip that) are linear in the modules: the column-split outputs beside each
     attention module were found by a scan of every styled module (quadratic: about x12 here)."""
     from preshard.format.plan import Plan, resolve_plan
-    from preshard.plans.model_check import check_model_structure, structure_shown_by_tensors
+    from preshard.plans.model_check import check_model_structure
+    from preshard.plans.tensor_check import structure_shown_by_tensors
 
     plan = Plan.from_dict({
         "format": 1, "name": "attention", "attention": [{"match": "blocks.*.attn", "divide": ["heads"]}],

@@ -1,11 +1,12 @@
-""".metadata without torch.distributed.checkpoint: the pickle made from the stand-in classes is byte for byte the
-pickle of torch's own DCP objects, for every kind of manifest (dtypes, styles, TP degrees, tensor counts at the
-pickler's batch boundaries, offsets past 2**31, names containing a stand-in's module name), and reading it back
-needs no torch.distributed import either."""
+""".metadata without torch: the pickle made from the stand-ins is the pickle of torch's own DCP objects, dtypes and
+sizes (byte for byte under 64 KiB, the same opcodes in frames that may end elsewhere above), for every kind of
+manifest (dtypes, styles, TP degrees, tensor counts at the pickler's batch boundaries, offsets past 2**31, names
+containing a stand-in's module name), and reading it back needs no torch either."""
 
 from __future__ import annotations
 
 import pickle
+import pickletools
 import subprocess
 import sys
 from pathlib import Path
@@ -47,6 +48,21 @@ def _torch_pickle(manifest) -> bytes:
     return pickle.dumps(dcp_metadata.dcp_metadata(manifest), protocol=dcp_metadata.PICKLE_PROTOCOL)
 
 
+def _unframed(data: bytes) -> list[tuple[str, object]]:
+    """The pickle's opcodes and arguments without its FRAME headers (where 64 KiB frames end depends on byte counts
+    only)."""
+    return [(op.name, arg) for op, arg, _ in pickletools.genops(data) if op.name != "FRAME"]
+
+
+def assert_torchs_pickle(manifest) -> None:
+    ours, theirs = dcp_metadata.dcp_metadata_bytes(manifest), _torch_pickle(manifest)
+    if len(theirs) < 64 << 10:  # one frame
+        assert ours == theirs
+    else:
+        assert _unframed(ours) == _unframed(theirs)
+    assert pickle.loads(ours).state_dict_metadata.keys() == manifest.tensors.keys()  # torch's own unpickler
+
+
 def test_stand_in_modules_are_named_as_long_as_torchs_and_hold_its_class_names():
     import torch.distributed.checkpoint.filesystem as fs
     import torch.distributed.checkpoint.metadata as md
@@ -70,7 +86,7 @@ def test_the_pickle_is_torchs_at_the_picklers_batch_boundaries(count, tp):
         for i in range(count)
     ]  # fmt: skip
     manifest = _manifest(specs, tp)
-    assert dcp_metadata.dcp_metadata_bytes(manifest) == _torch_pickle(manifest)
+    assert_torchs_pickle(manifest)
 
 
 @pytest.mark.parametrize("base", [2**31 - 100, 2**32 + 5, 2**40])
@@ -78,7 +94,7 @@ def test_offsets_past_the_picklers_small_integers(base):
     manifest = _manifest(
         [("a.weight", "rowwise", (4, 8), torch.bfloat16), ("s", "replicate", (), torch.float32)], 2, base
     )
-    assert dcp_metadata.dcp_metadata_bytes(manifest) == _torch_pickle(manifest)
+    assert_torchs_pickle(manifest)
 
 
 @pytest.mark.parametrize(
@@ -94,7 +110,7 @@ def test_offsets_past_the_picklers_small_integers(base):
 )
 def test_any_tensor_name_gives_torchs_pickle(name):
     manifest = _manifest([(name, "replicate", (3,), torch.float32), ("b.weight", "colwise", (4, 2), torch.float16)], 2)
-    assert dcp_metadata.dcp_metadata_bytes(manifest) == _torch_pickle(manifest)
+    assert_torchs_pickle(manifest)
 
 
 @st.composite
@@ -122,11 +138,11 @@ def manifests(draw):
 def test_random_manifests_give_torchs_pickle(case):
     specs, tp = case
     manifest = _manifest(specs, tp)
-    assert dcp_metadata.dcp_metadata_bytes(manifest) == _torch_pickle(manifest)
+    assert_torchs_pickle(manifest)
 
 
-def test_a_conversion_imports_no_torch_distributed_checkpoint_and_its_metadata_reads_back(tiny_sources, tmp_path):
-    """In a fresh process: convert, then check `.metadata` as verify does; torch's DCP package is never imported."""
+def test_a_conversion_imports_no_torch_and_its_metadata_reads_back(tiny_sources, tmp_path):
+    """In a fresh process: convert, then check `.metadata` as verify does; torch is never imported."""
     code = (
         "import sys\n"
         "from preshard.converter.convert import convert_checkpoint\n"
@@ -134,7 +150,7 @@ def test_a_conversion_imports_no_torch_distributed_checkpoint_and_its_metadata_r
         "m = convert_checkpoint(sys.argv[1], sys.argv[2], tp=2, cp=2, progress=False)\n"
         "raw = (__import__('pathlib').Path(sys.argv[2]) / '.metadata').read_bytes()\n"
         "assert dcp_metadata_problems(raw, m) == []\n"
-        "assert 'torch.distributed.checkpoint' not in sys.modules, 'imported'\n"
+        "assert 'torch' not in sys.modules, 'imported torch'\n"
         "assert 'diffusers' not in sys.modules, 'imported diffusers'\n"
     )
     out = tmp_path / "out"
@@ -153,7 +169,7 @@ def test_the_restricted_reader_gives_back_stand_ins_with_torchs_fields(tiny_sour
     assert type(meta) is _dcp_metadata_classes.Metadata
     name, record = next(iter(manifest.tensors.items()))
     md = meta.state_dict_metadata[name]
-    assert md.properties.dtype == record.layout.dtype and md.properties.memory_format == torch.contiguous_format
+    assert md.properties.dtype == record.layout.dtype and md.properties.memory_format == str(torch.contiguous_format)
     assert tuple(md.size) == record.layout.shape
     key = next(k for k in meta.storage_data if k.fqn == name and k.index == 0)
     info = meta.storage_data[key]

@@ -97,8 +97,8 @@ def test_resolution_gives_styles_dims_and_blocks():
         "blocks.0.norm.weight": ("replicate", None, None),
     }
     layouts = resolve_plan(Plan.from_dict(GOOD), TENSORS, 2, cast=torch.bfloat16)
-    assert {lay.dtype for lay in layouts.values()} == {torch.bfloat16}
-    assert layouts["blocks.0.ff.weight"].source_dtype == torch.float32
+    assert {lay.dtype.torch for lay in layouts.values()} == {torch.bfloat16}
+    assert layouts["blocks.0.ff.weight"].source_dtype.torch == torch.float32
 
 
 def test_tp_that_does_not_divide_lists_the_degrees_that_work():

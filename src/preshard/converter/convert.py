@@ -23,8 +23,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from preshard.converter.parallel import Coordinator, active_coordinator, owned_files, run_workers
 from preshard.converter.pipeline import TensorWork, WritePipeline
 from preshard.converter.signals import StopFlag, deferred_signals
@@ -42,7 +40,7 @@ from preshard.converter.writer import RecordFileWriter, stage_bytes
 from preshard.errors import MismatchError, PreshardError, ResourceError, UsageError
 from preshard.format import slicing
 from preshard.format.dcp_metadata import dcp_metadata_bytes, write_dcp_metadata
-from preshard.format.dtypes import dtype_name, parse_cast
+from preshard.format.dtypes import DType, dtype_name, parse_cast
 from preshard.format.jsonio import dumps_indented, fsync_file, write_text_atomic
 from preshard.format.layout import ChunkRecord, FileLayout, TensorLayout, data_file_name, place_records
 from preshard.format.manifest import (
@@ -58,7 +56,6 @@ from preshard.format.manifest import (
 from preshard.format.mesh import MeshSpec
 from preshard.format.plan import Plan, resolve_plan
 from preshard.format.torch_record import RECORD_FRAMING_VERSION
-from preshard.plans.from_model import check_plan_against_model
 from preshard.plans.registry import choose_plan, vouched_for
 from preshard.progress import Progress
 from preshard.sources import ConversionSource, SourceRows, open_source
@@ -98,7 +95,7 @@ class ConversionPlan:
     source: ConversionSource
     plan: Plan
     mesh: MeshSpec
-    cast: torch.dtype | None
+    cast: DType | None
     layouts: dict[str, TensorLayout]
     files: FileLayout
     write_order: list[str]
@@ -184,7 +181,7 @@ def plan_conversion(
     *,
     mesh: MeshSpec,
     plan: str | Path | Plan | None = None,
-    dtype: str | torch.dtype | None = None,
+    dtype: str | DType | Any | None = None,
     subfolder: str | None = None,
     revision: str | None = None,
     token: str | bool | None = None,
@@ -212,6 +209,8 @@ def plan_conversion(
     if mesh.cp > 1:
         chosen.check_cp_config(src.config)  # from config.json alone: also where the model check is skipped
     if check_model and not vouched_for(chosen, src.config, layouts, mesh.cp):
+        from preshard.plans.from_model import check_plan_against_model  # torch and diffusers: plan files only
+
         check_plan_against_model(chosen, src.config, mesh.tp, mesh.cp)
     order = src.read_order()
     files = place_records([layouts[name] for name in order], mesh.tp)
@@ -229,7 +228,7 @@ def convert_checkpoint(
     ulysses: int | None = None,
     order: str | tuple[str, ...] | None = None,
     plan: str | Path | Plan | None = None,
-    dtype: str | torch.dtype | None = None,
+    dtype: str | DType | Any | None = None,
     subfolder: str | None = None,
     revision: str | None = None,
     token: str | bool | None = None,
@@ -416,6 +415,8 @@ class _Background:
 
     def _run(self) -> None:
         try:
+            from preshard.plans.from_model import check_plan_against_model
+
             check_plan_against_model(*self._check)
         except BaseException as exc:  # noqa: BLE001 - raised by poll/result in the calling thread
             self._error = exc

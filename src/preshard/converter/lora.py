@@ -33,9 +33,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from preshard.errors import MismatchError, SourceError, UsageError
+from preshard.format.dtypes import DType
 from preshard.format.manifest import LoraModule, LoraRecord, Source
 from preshard.sources import ConversionSource, SourceRows
 from preshard.sources.safetensors_file import read_header
@@ -243,7 +245,7 @@ def _import_diffusers(class_name: str) -> type:
         import peft  # noqa: F401
     except ImportError:
         raise UsageError("--lora reads LoRAs with diffusers and peft: pip install 'preshard[lora]'") from None
-    from preshard.plans.from_model import import_model_class
+    from preshard.plans.model_class import import_model_class
 
     return import_model_class(class_name)
 
@@ -285,7 +287,7 @@ def _load(
     commit: str | None,
     class_name: str,
     meta_model: torch.nn.Module,
-    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    shapes: dict[str, tuple[tuple[int, ...], DType]],
     adapter: str,
 ) -> LoadedLora:
     from preshard.sources.reader import hash_file
@@ -378,7 +380,7 @@ def _transformer_part(state: dict, alphas: dict | None, name: str, class_name: s
 
 
 def _factors(
-    ours: dict, name: str, class_name: str, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    ours: dict, name: str, class_name: str, shapes: dict[str, tuple[tuple[int, ...], DType]]
 ) -> dict[str, LoraFactor]:
     """Each module's factors, checked against the checkpoint's tensors."""
     parts: dict[str, dict[str, torch.Tensor]] = {}
@@ -524,32 +526,32 @@ def fuse_state_dict(state: dict[str, torch.Tensor], loras: LoraSet) -> dict[str,
 class FusedRows:
     """A source's rows with the LoRAs fused into the tensors they touch (the base reader hashes the raw bytes)."""
 
-    def __init__(self, base: SourceRows, loras: LoraSet, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]):
+    def __init__(self, base: SourceRows, loras: LoraSet, shapes: dict[str, tuple[tuple[int, ...], DType]]):
         self.base, self.loras, self.shapes = base, loras, shapes
 
-    def read_rows(self, name: str, start: int, count: int, out: torch.Tensor) -> None:
+    def read_rows(self, name: str, start: int, count: int, out: np.ndarray) -> None:
         self.base.read_rows(name, start, count, out)
         self._fuse(name, start, count, out)
 
-    def start_band(self, name: str, start: int, count: int, buffer: torch.Tensor) -> Any:
+    def start_band(self, name: str, start: int, count: int, buffer: np.ndarray) -> Any:
         return name, start, count, self.base.start_band(name, start, count, buffer)
 
-    def finish_band(self, band: Any) -> torch.Tensor:
+    def finish_band(self, band: Any) -> np.ndarray:
         name, start, count, inner = band
         view = self.base.finish_band(inner)
         self._fuse(name, start, count, view)
         return view
 
-    def _fuse(self, name: str, start: int, count: int, data: torch.Tensor) -> None:
+    def _fuse(self, name: str, start: int, count: int, data: np.ndarray) -> None:
         terms = self.loras.terms.get(name)
         if not terms or not count:
             return
         shape, dtype = self.shapes[name]
         raw = data[: count * math.prod(shape[1:]) * dtype.itemsize]
-        work = raw if raw.storage_offset() % dtype.itemsize == 0 else raw.clone()
-        fuse_rows(work.view(dtype).view(count, *shape[1:]), start, terms, shape[0])
+        work = raw if raw.ctypes.data % dtype.itemsize == 0 else raw.copy()
+        fuse_rows(torch.from_numpy(work).view(dtype.torch).view(count, *shape[1:]), start, terms, shape[0])
         if work is not raw:
-            raw.copy_(work)
+            raw[:] = work
 
     def file_of(self, name: str) -> str:
         return self.base.file_of(name)
@@ -580,7 +582,7 @@ class FusedSource:
     def config(self) -> dict[str, Any] | None:
         return self.base.config
 
-    def shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    def shapes(self) -> dict[str, tuple[tuple[int, ...], DType]]:
         return self.base.shapes()
 
     def read_order(self) -> list[str]:

@@ -1,6 +1,6 @@
 """The conversion's write loop as a pipeline: reading, cutting, copying, hashing and writing overlap.
 
-Threads (torch copies, xxhash and positional file I/O all release the GIL):
+Threads (numpy copies, xxhash and positional file I/O all release the GIL):
 
 - a reader reads the source in bands of rows, in file order, up to `BANDS_IN_FLIGHT` band buffers ahead of
   the writers (the band budget: memory is that many bands, whatever the tensor sizes). Small bands (at most
@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
+import numpy as np
 
 from preshard.converter.writer import RecordFileWriter
 from preshard.errors import ResourceError
@@ -86,8 +86,8 @@ class _BandRef:
 class _Batch:
     """What the reader hands on: one large band, or the small bands of one slab, read into `buffer`."""
 
-    items: list[tuple[TensorWork, Band, torch.Tensor]]  # (tensor, band, the band's rows)
-    buffer: torch.Tensor
+    items: list[tuple[TensorWork, Band, np.ndarray]]  # (tensor, band, the band's rows)
+    buffer: np.ndarray
     small: bool
 
 
@@ -96,15 +96,15 @@ class _Slab:
 
     ALIGN = 64  # every band starts at a multiple of 64 bytes: aligned for any dtype (and for a cast's view)
 
-    def __init__(self, buffer: torch.Tensor) -> None:
+    def __init__(self, buffer: np.ndarray) -> None:
         self.buffer = buffer
         self.used = 0
-        self.items: list[tuple[TensorWork, Band, torch.Tensor]] = []
+        self.items: list[tuple[TensorWork, Band, np.ndarray]] = []
 
     def room(self, nbytes: int) -> bool:
-        return self.used + nbytes <= self.buffer.numel() and len(self.items) < SLAB_BANDS
+        return self.used + nbytes <= self.buffer.size and len(self.items) < SLAB_BANDS
 
-    def take(self, nbytes: int) -> torch.Tensor:
+    def take(self, nbytes: int) -> np.ndarray:
         view = self.buffer[self.used : self.used + nbytes]
         self.used += nbytes + (-nbytes % self.ALIGN)
         return view
@@ -182,8 +182,8 @@ class WritePipeline:
     def __init__(
         self,
         *,
-        start_band: Callable[[str, int, int, torch.Tensor], Any],
-        finish_band: Callable[[Any], torch.Tensor],
+        start_band: Callable[[str, int, int, np.ndarray], Any],
+        finish_band: Callable[[Any], np.ndarray],
         writers: dict[str, RecordFileWriter],
         work: list[TensorWork],
         points: list[int],
@@ -289,7 +289,7 @@ class WritePipeline:
             self.pool.give(slab.buffer)
             self.budget.release()
 
-    def _deliver(self, t: TensorWork, band: Band, raw: torch.Tensor, started: Any) -> None:
+    def _deliver(self, t: TensorWork, band: Band, raw: np.ndarray, started: Any) -> None:
         data = self.finish_band(started)
         if not band.chunks:  # read only to hash the source file
             self.pool.give(raw)
@@ -388,7 +388,7 @@ class WritePipeline:
                 break
             if isinstance(item, _Failed):
                 raise item
-            casts: list[torch.Tensor] = []
+            casts: list[np.ndarray] = []
 
             def release(buffer=item.buffer, casts=casts) -> None:
                 self.pool.give(buffer)

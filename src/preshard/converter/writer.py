@@ -25,7 +25,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-import torch
 import xxhash
 
 from preshard.errors import CorruptCheckpointError
@@ -142,10 +141,15 @@ class RecordFileWriter:
             pread_into(self.fd, self._base, [self._view[: self._fill]], self.path.name)
 
     def _write(self, data) -> None:
-        """Stage `data` (bytes, a 1-D uint8 numpy array, or a uint8 tensor: 1-D, or 2-D with contiguous rows),
-        hashing it, and write out every full stage."""
+        """Stage `data` (bytes, or a uint8 numpy array or torch tensor: 1-D, or 2-D with contiguous rows), hashing
+        it, and write out every full stage."""
         self._ensure_stage()
-        if isinstance(data, torch.Tensor):
+        if isinstance(data, np.ndarray):
+            if data.ndim == 1:
+                self._put_bytes(memoryview(data))
+            else:
+                self._put_rows(data)
+        elif hasattr(data, "numpy"):  # a tensor (the runtime's saving): torch is imported already
             self._put_rows(data.numpy())
         else:
             self._put_bytes(memoryview(data).cast("B"))

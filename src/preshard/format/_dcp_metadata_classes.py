@@ -12,7 +12,8 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-import torch
+from preshard.format._torch_names import DType, Size
+from preshard.format._torch_serialization import Layout, strided
 
 TORCH_MODULE = "torch.distributed.checkpoint.metadata"
 
@@ -24,11 +25,11 @@ class _MEM_FORMAT_ENCODING(enum.Enum):  # noqa: N801 - torch's name
 
 
 class TensorProperties:
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: DType) -> None:
         self.dtype = dtype
-        self.layout = torch.strided
+        self.layout: Layout = strided
         self.requires_grad = False
-        self.memory_format = torch.contiguous_format
+        self.memory_format = "torch.contiguous_format"  # torch's memory format, by name (it is pickled as its code)
         self.pin_memory = False
 
     def __getstate__(self) -> tuple:
@@ -43,30 +44,30 @@ class TensorProperties:
     def __setstate__(self, state: tuple) -> None:  # when read back (verify)
         self.dtype, self.layout, self.requires_grad, encoding, self.pin_memory = state
         self.memory_format = {
-            _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT: torch.contiguous_format,
-            _MEM_FORMAT_ENCODING.TORCH_CHANNELS_LAST: torch.channels_last,
-            _MEM_FORMAT_ENCODING.TORCH_PRESERVE_FORMAT: torch.preserve_format,
+            _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT: "torch.contiguous_format",
+            _MEM_FORMAT_ENCODING.TORCH_CHANNELS_LAST: "torch.channels_last",
+            _MEM_FORMAT_ENCODING.TORCH_PRESERVE_FORMAT: "torch.preserve_format",
         }[encoding]
 
 
 class ChunkStorageMetadata:
-    def __init__(self, offsets: torch.Size, sizes: torch.Size) -> None:
+    def __init__(self, offsets: Size, sizes: Size) -> None:
         self.offsets = offsets
         self.sizes = sizes
 
 
 class TensorStorageMetadata:
-    def __init__(self, properties: TensorProperties, size: torch.Size, chunks: list[ChunkStorageMetadata]) -> None:
+    def __init__(self, properties: TensorProperties, size: Size, chunks: list[ChunkStorageMetadata]) -> None:
         self.properties = properties
         self.size = size
         self.chunks = chunks
 
 
 class MetadataIndex:
-    def __init__(self, fqn: str, offset: torch.Size, index: int) -> None:  # torch sets them in this order
+    def __init__(self, fqn: str, offset: Size, index: int) -> None:  # torch sets them in this order
         self.fqn = fqn
         self.index = index
-        self.offset = torch.Size(offset)
+        self.offset = Size(offset)
 
 
 class Metadata:

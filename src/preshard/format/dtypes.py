@@ -1,87 +1,105 @@
-"""Dtype names as they appear on disk, and the one rule for what a `--dtype` cast touches.
+"""Dtypes as preshard names them, and the one rule for what a `--dtype` cast touches.
 
-safetensors names dtypes with short codes (`BF16`), the manifest with torch's names (`bfloat16`).
-Both directions and the cast rule live here so that the converter, the runtime and verify cannot
-disagree about them.
+A dtype is a `DType` (torch's name, item size, kind, safetensors' code), not torch's dtype: the tools that only
+move bytes (convert, unshard, reshard, verify, inspect) then never import torch; the runtime asks `DType.torch`.
+safetensors names dtypes with short codes (`BF16`), the manifest with torch's names (`bfloat16`). Both
+directions and the cast rule live here so that the converter, the runtime and verify cannot disagree about them.
 """
 
 from __future__ import annotations
 
-import torch
+from typing import Any
 
 from preshard.errors import UsageError
+from preshard.format._torch_names import DTYPES, DType
 
-# safetensors dtype code -> torch dtype
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "U16": torch.uint16,
-    "U32": torch.uint32,
-    "U64": torch.uint64,
-    "BOOL": torch.bool,
-}
+__all__ = [
+    "BFLOAT16", "CAST_TARGETS", "DType", "FLOAT16", "FLOAT32", "FLOAT64", "SAFETENSORS_DTYPES", "UINT8",
+    "as_dtype", "cast_dtype", "cast_is_lossless", "dtype_from_name", "dtype_name", "parse_cast",
+]  # fmt: skip
+
+# safetensors dtype code -> dtype
+SAFETENSORS_DTYPES: dict[str, DType] = {d.code: d for d in DTYPES}
 # torch name -> dtype, for exactly the dtypes a checkpoint may hold
-DTYPES_BY_NAME: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in SAFETENSORS_DTYPES.values()}
+DTYPES_BY_NAME: dict[str, DType] = {d.name: d for d in DTYPES}
+FLOAT64, FLOAT32, FLOAT16, BFLOAT16, UINT8 = (
+    DTYPES_BY_NAME[n] for n in ("float64", "float32", "float16", "bfloat16", "uint8")
+)
 
 # What `--dtype` / `dtype=` accept: a precision for 16/32/64-bit floating tensors.
-CAST_ALIASES: dict[str, torch.dtype] = {
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+CAST_ALIASES: dict[str, DType] = {
+    "bf16": BFLOAT16, "bfloat16": BFLOAT16,
+    "fp16": FLOAT16, "float16": FLOAT16, "half": FLOAT16,
+    "fp32": FLOAT32, "float32": FLOAT32, "float": FLOAT32,
 }  # fmt: skip
-CAST_TARGETS = (torch.bfloat16, torch.float16, torch.float32)
+CAST_TARGETS = (BFLOAT16, FLOAT16, FLOAT32)
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """torch's own name without the prefix: `bfloat16`."""
-    return str(dtype).removeprefix("torch.")
+def _torch_dtype_name(value: Any) -> str | None:
+    """`bfloat16` for torch's `torch.bfloat16` (told without importing torch), else None."""
+    kind = type(value)
+    if kind.__name__ == "dtype" and kind.__module__ == "torch":
+        return str(value).removeprefix("torch.")
+    return None
 
 
-def dtype_from_name(name: object) -> torch.dtype | None:
+def as_dtype(value: DType | Any) -> DType:
+    """The `DType` of a `DType`, of torch's dtype of the same name, or of a torch name (`"bfloat16"`).
+
+    Raises:
+        ValueError: for a dtype no checkpoint preshard writes can hold (complex, float4, ...).
+    """
+    if isinstance(value, DType):
+        return value
+    name = value if isinstance(value, str) else _torch_dtype_name(value)
+    found = DTYPES_BY_NAME.get(name) if name is not None else None
+    if found is None:
+        raise ValueError(f"dtype {value} is not one preshard stores ({', '.join(DTYPES_BY_NAME)})")
+    return found
+
+
+def dtype_name(dtype: DType | Any) -> str:
+    """torch's own name without the prefix: `bfloat16` (for a `DType` or torch's dtype)."""
+    return dtype.name if isinstance(dtype, DType) else str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: object) -> DType | None:
     """The checkpoint dtype of that name, or None when it is not one preshard stores."""
     return DTYPES_BY_NAME.get(name) if isinstance(name, str) else None
 
 
-def parse_cast(value: str | torch.dtype | None, what: str = "--dtype") -> torch.dtype | None:
-    """A user's cast request as a torch dtype (None: keep every tensor's own dtype).
+def parse_cast(value: str | DType | Any | None, what: str = "--dtype") -> DType | None:
+    """A user's cast request as a dtype (None: keep every tensor's own dtype).
 
     Raises:
-        UsageError: for anything but bf16/fp16/fp32 (or the torch dtypes themselves).
+        UsageError: for anything but bf16/fp16/fp32 (or torch's bfloat16/float16/float32 themselves).
     """
     if value is None:
         return None
-    if isinstance(value, torch.dtype):
-        if value in CAST_TARGETS:
-            return value
-    elif isinstance(value, str) and value.lower() in CAST_ALIASES:
-        return CAST_ALIASES[value.lower()]
+    if isinstance(value, str):
+        if value.lower() in CAST_ALIASES:
+            return CAST_ALIASES[value.lower()]
+    else:
+        name = value.name if isinstance(value, DType) else _torch_dtype_name(value)
+        if name is not None and DTYPES_BY_NAME.get(name) in CAST_TARGETS:
+            return DTYPES_BY_NAME[name]
     raise UsageError(
         f"{what} {value!r} is not supported; use one of bf16, fp16, fp32 (or torch.bfloat16/float16/float32)"
     )
 
 
-def cast_dtype(source: torch.dtype, requested: torch.dtype | None) -> torch.dtype:
+def cast_dtype(source: DType, requested: DType | None) -> DType:
     """A cast changes 16/32/64-bit floating tensors only; integers and float8 (quantised data) are kept."""
     if requested is None or not source.is_floating_point or source.itemsize == 1:
         return source
     return requested
 
 
-def cast_is_lossless(source: torch.dtype, target: torch.dtype) -> bool:
+def cast_is_lossless(source: DType, target: DType) -> bool:
     """Whether every value of `source` survives a cast to `target` (so the cast can be undone bit for bit)."""
-    if source == target:
+    if source is target:
         return True
     widening = {
-        (torch.bfloat16, torch.float32), (torch.float16, torch.float32),
-        (torch.bfloat16, torch.float64), (torch.float16, torch.float64), (torch.float32, torch.float64),
+        (BFLOAT16, FLOAT32), (FLOAT16, FLOAT32), (BFLOAT16, FLOAT64), (FLOAT16, FLOAT64), (FLOAT32, FLOAT64),
     }  # fmt: skip
     return (source, target) in widening

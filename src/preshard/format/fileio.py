@@ -9,19 +9,26 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import Any
 
-import torch
+import numpy as np
 
 from preshard.errors import CorruptCheckpointError
 
 HASH_BLOCK = 8 << 20  # files and chunks are read back for hashing in blocks this large
 
 
-def byte_view(tensor: torch.Tensor) -> memoryview:
-    """A writable byte view of a contiguous CPU tensor's storage (any dtype)."""
-    if tensor.dtype is torch.uint8 and tensor.dim() == 1:  # the common case, in a third of the time
-        return memoryview(tensor.numpy())
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
+def byte_view(buffer: np.ndarray | Any) -> memoryview:
+    """A writable byte view of a contiguous CPU buffer: a numpy array (the tools' buffers) or a torch tensor (the
+    runtime's), of any dtype."""
+    if isinstance(buffer, np.ndarray):
+        flat = buffer.dtype == np.uint8 and buffer.ndim == 1
+        return memoryview(buffer if flat else buffer.reshape(-1).view(np.uint8))
+    import torch  # a tensor: torch is imported already
+
+    if buffer.dtype is torch.uint8 and buffer.dim() == 1:  # the common case, in a third of the time
+        return memoryview(buffer.numpy())
+    return memoryview(buffer.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
 def pread_into(fd: int, offset: int, buffers: Sequence[memoryview | bytearray], where: str = "the file") -> None:

@@ -17,10 +17,10 @@ import functools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-
-import torch
+from typing import Any
 
 from preshard.errors import PlanError
+from preshard.format.dtypes import UINT8, DType, as_dtype
 from preshard.format.styles import REPLICATE, Box, Style
 from preshard.format.torch_record import RecordFraming, record_framing
 
@@ -56,19 +56,19 @@ class TensorLayout:
     shard_dim: int | None
     blocks: tuple[int, ...] | None  # absolute block sizes along shard_dim (one block unless packed)
     shape: tuple[int, ...]
-    dtype: torch.dtype  # as stored (after any --dtype cast)
-    source_dtype: torch.dtype
+    dtype: DType  # as stored (after any --dtype cast)
+    source_dtype: DType
 
     @classmethod
     def make(
-        cls, name: str, style: Style, shape: tuple[int, ...], dtype: torch.dtype, source_dtype: torch.dtype
+        cls, name: str, style: Style, shape: tuple[int, ...], dtype: DType | Any, source_dtype: DType | Any
     ) -> TensorLayout:
-        """Derive the shard dim and blocks of `name` under `style`.
+        """Derive the shard dim and blocks of `name` under `style` (dtypes: `DType`s or torch's).
 
         Raises:
             PlanError: the style names a tensor that is not a Linear weight `[out, in]` or bias `[out]`.
         """
-        shape = tuple(shape)
+        shape, dtype, source_dtype = tuple(shape), as_dtype(dtype), as_dtype(source_dtype)
         if style.name == REPLICATE.name:
             return cls(name, style, None, None, shape, dtype, source_dtype)
         param = name.rpartition(".")[2]
@@ -151,7 +151,7 @@ def _all_boxes(
     shard_dim: int | None, blocks: tuple[int, ...] | None, shape: tuple[int, ...], tp: int
 ) -> tuple[tuple[int | None, Box], ...]:
     """`TensorLayout.all_boxes`, computed once per distinct split (the tensors of a model share a few)."""
-    layout = TensorLayout("", REPLICATE, shard_dim, blocks, shape, torch.uint8, torch.uint8)
+    layout = TensorLayout("", REPLICATE, shard_dim, blocks, shape, UINT8, UINT8)
     if shard_dim is None:
         return ((None, layout.boxes(tp, 0)[0]),)
     owned = [(r, box) for r in range(tp) for box in layout.boxes(tp, r)]

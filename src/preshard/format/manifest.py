@@ -25,7 +25,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import torch
 import xxhash
 
 from preshard.errors import (
@@ -36,7 +35,7 @@ from preshard.errors import (
     PreshardError,
     UsageError,
 )
-from preshard.format.dtypes import CAST_TARGETS, cast_dtype, dtype_from_name, dtype_name
+from preshard.format.dtypes import CAST_TARGETS, DType, cast_dtype, dtype_from_name, dtype_name
 from preshard.format.folder import CheckpointFolder
 from preshard.format.jsonio import canonical_json, parse_json_text
 from preshard.format.layout import INT64_MAX, ChunkRecord, TensorLayout, data_file_name, fits_int64
@@ -209,7 +208,7 @@ class Manifest:
     tensors: dict[str, TensorRecord]
     files: tuple[FileRecord, ...]
     config: FileRecord | None = None
-    dtype: torch.dtype | None = None  # the cast applied to floating tensors, if any
+    dtype: DType | None = None  # the cast applied to floating tensors, if any
     derived_from: Provenance | None = None
     preshard_version: str = ""
     created: str = ""
@@ -425,7 +424,7 @@ class _Parser:
             raise self.bad(f"{where} {value!r} is not a plain file name")
         return value
 
-    def shape(self, value: Any, where: str, dtype: torch.dtype) -> tuple[int, ...]:
+    def shape(self, value: Any, where: str, dtype: DType) -> tuple[int, ...]:
         """A shape whose contiguous strides and byte size fit int64 (what torch can allocate and address)."""
         shape = self.ints(value, f"{where} shape")
         if not fits_int64(shape, dtype.itemsize):
@@ -437,7 +436,7 @@ class _Parser:
             raise self.bad(f"{where} must be a list of whole numbers")
         return tuple(self.int(v, where) for v in value)
 
-    def dtype(self, value: Any, where: str) -> torch.dtype:
+    def dtype(self, value: Any, where: str) -> DType:
         dtype = dtype_from_name(value)
         if dtype is None:
             raise self.bad(f"{where} has unknown dtype {value!r}")
@@ -538,7 +537,7 @@ class _Parser:
                 raise self.bad(f"files[{r}] is {f.name!r}; the data file of tp rank {r} is {data_file_name(r)}")
         return files
 
-    def tensors(self, value: Any, tp: int, cast: torch.dtype | None, files: set[str]) -> dict[str, TensorRecord]:
+    def tensors(self, value: Any, tp: int, cast: DType | None, files: set[str]) -> dict[str, TensorRecord]:
         if not isinstance(value, dict):
             raise self.bad("tensors must be an object")
         keys = {"style", "blocks", "shard_dim", "split_blocks", "shape", "dtype", "source_dtype", "chunks"}
@@ -610,7 +609,7 @@ class _Parser:
             )  # fmt: skip
         return tuple(chunks)
 
-    def check_plan(self, plan: Plan, tensors: dict[str, TensorRecord], tp: int, cast: torch.dtype | None) -> None:
+    def check_plan(self, plan: Plan, tensors: dict[str, TensorRecord], tp: int, cast: DType | None) -> None:
         """The embedded plan, resolved again, gives every tensor exactly its recorded style."""
         shapes = {name: (r.layout.shape, r.layout.source_dtype) for name, r in tensors.items()}
         try:

@@ -24,10 +24,8 @@ from dataclasses import dataclass, field, replace
 from fnmatch import fnmatchcase
 from typing import Any
 
-import torch
-
 from preshard.errors import PlanError
-from preshard.format.dtypes import cast_dtype
+from preshard.format.dtypes import DType, as_dtype, cast_dtype
 from preshard.format.layout import TensorLayout
 from preshard.format.styles import REPLICATE, STYLES, Style, make_style
 
@@ -454,14 +452,15 @@ def module_names(tensor_names: Any) -> set[str]:
 
 def resolve_plan(
     plan: Plan,
-    tensors: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+    tensors: Mapping[str, tuple[tuple[int, ...], DType | Any]],
     tp: int,
     *,
-    cast: torch.dtype | None = None,
+    cast: DType | Any | None = None,
     config: Mapping[str, Any] | None = None,
     check_divisible: bool = True,
 ) -> dict[str, TensorLayout]:
-    """Every tensor's layout under `plan` at TP degree `tp` (tensors the plan does not name are replicated).
+    """Every tensor's layout under `plan` at TP degree `tp` (tensors the plan does not name are replicated; dtypes
+    are `DType`s or torch's).
 
     Raises:
         PlanError: overlapping rules, a rule that matches no tensor (unless optional, or a norm rule: a norm
@@ -470,6 +469,7 @@ def resolve_plan(
             dimension (the message lists the TP degrees that work).
     """
     resolved: dict[str, TensorLayout] = {}
+    cast = as_dtype(cast) if cast is not None else None
     hits = {rule.match: 0 for rule in plan.linear}
     for name, (shape, dtype) in tensors.items():
         module = name.rpartition(".")[0]
@@ -483,7 +483,7 @@ def resolve_plan(
         if rules:
             hits[rules[0].match] += 1
         try:
-            resolved[name] = TensorLayout.make(name, style, tuple(shape), cast_dtype(dtype, cast), dtype)
+            resolved[name] = TensorLayout.make(name, style, tuple(shape), cast_dtype(as_dtype(dtype), cast), dtype)
         except PlanError as exc:
             raise PlanError(f"{plan.origin}: {exc}") from None
     may_miss = {rule.match for rule in plan.linear if rule.optional or rule.style.module_kind == "norm"}

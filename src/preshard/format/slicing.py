@@ -22,8 +22,9 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
+from preshard.format.dtypes import DType
 from preshard.format.layout import ChunkRecord, TensorLayout
 
 BAND_BYTES = 32 << 20
@@ -33,13 +34,12 @@ BAND_BYTES = 32 << 20
 class Piece:
     """A run of a chunk's bytes, following the chunk's earlier pieces.
 
-    From `cut_band`: a uint8 view (1-D, or 2-D with contiguous rows, to be read row after row; of a small band, a
-    1-D numpy array). From
-    `tensor_pieces`: a contiguous tensor in the stored dtype.
+    From `cut_band`: a uint8 numpy view (1-D, or 2-D with contiguous rows, to be read row after row). From
+    `tensor_pieces`: the piece's bytes, contiguous (flat uint8).
     """
 
     chunk: ChunkRecord
-    data: torch.Tensor
+    data: np.ndarray
     first: bool
     last: bool
 
@@ -62,28 +62,29 @@ class BufferPool:
     """
 
     def __init__(self, keep: int = 3, minimum: int = 0) -> None:
-        self._free: list[torch.Tensor] = []
+        self._free: list[np.ndarray] = []
         self._keep = keep
         self._minimum = minimum
         self._lock = threading.Lock()
 
-    def take(self, nbytes: int) -> torch.Tensor:
+    def take(self, nbytes: int) -> np.ndarray:
         with self._lock:
             for i, buf in enumerate(self._free):
-                if buf.numel() >= nbytes:
+                if buf.size >= nbytes:
                     return self._free.pop(i)[:nbytes]
-        return torch.empty(max(nbytes, self._minimum, 1), dtype=torch.uint8)[:nbytes]
+        return np.empty(max(nbytes, self._minimum, 1), dtype=np.uint8)[:nbytes]
 
-    def give(self, buf: torch.Tensor) -> None:
-        base = buf._base if buf._base is not None else buf
+    def give(self, buf: np.ndarray) -> None:
+        base = buf if buf.base is None else buf.base  # numpy's views name the array that owns the memory
         with self._lock:
             self._free.append(base)
-            self._free.sort(key=lambda b: b.numel())
+            self._free.sort(key=lambda b: b.size)
             del self._free[: -self._keep]  # keep the few largest
 
 
-def _typed(buf: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    return buf.view(dtype).view(shape) if math.prod(shape) else torch.empty(shape, dtype=dtype)
+def empty_bytes(nbytes: int) -> np.ndarray:
+    """A fresh flat uint8 buffer (the data path's buffers are numpy arrays: no torch needed to move bytes)."""
+    return np.empty(nbytes, dtype=np.uint8)
 
 
 def band_rows(layout: TensorLayout, band_bytes: int = BAND_BYTES) -> int:
@@ -154,15 +155,12 @@ def band_plan(
 SMALL_BAND_BYTES = 256 << 10
 
 
-def cut_band(layout: TensorLayout, band: Band, data: torch.Tensor, *, small: bool = False) -> list[Piece]:
+def cut_band(layout: TensorLayout, band: Band, data: np.ndarray, *, small: bool = False) -> list[Piece]:
     """Cut a band into its chunks' pieces: byte views of `data` (the band's rows, flat uint8, stored dtype).
 
     With `small` (a band of at most `SMALL_BAND_BYTES`, as most bands of a checkpoint of many small tensors are),
-    the pieces are numpy views instead, every one contiguous (a column split is copied out): a torch view costs
-    microseconds of dispatch, several times the bytes of such a piece.
+    every piece is contiguous (a column split is copied out): one write each, rather than a gather of tiny rows.
     """
-    if small:
-        data = data.numpy()
     pieces = []
     item = layout.dtype.itemsize
     row_bytes = math.prod(layout.shape[1:]) * item if layout.shape else len(data)
@@ -188,30 +186,38 @@ def cut_band(layout: TensorLayout, band: Band, data: torch.Tensor, *, small: boo
 
 
 def cast_band(
-    layout: TensorLayout, raw: torch.Tensor, count: int, pool: BufferPool | None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    layout: TensorLayout, raw: np.ndarray, count: int, pool: BufferPool | None
+) -> tuple[np.ndarray, np.ndarray | None]:
     """The band's bytes in the stored dtype: `raw` itself, or a cast copy (returned second, from `pool`; without a
-    pool, a buffer of exactly its size)."""
-    if layout.dtype == layout.source_dtype:
+    pool, a buffer of exactly its size). A cast computes with torch (its rounding, bfloat16 included), imported
+    then: only conversions with `--dtype` pay for it."""
+    if layout.dtype is layout.source_dtype:
         return raw, None
-    shape = (count, *layout.shape[1:]) if layout.shape else ()
-    if raw.storage_offset() % layout.source_dtype.itemsize:  # a source tensor not aligned to its dtype
-        raw = raw.clone()
-    nbytes = math.prod(shape) * layout.dtype.itemsize
-    out = pool.take(nbytes) if pool is not None else torch.empty(nbytes, dtype=torch.uint8)
-    _typed(out, layout.dtype, shape).copy_(_typed(raw, layout.source_dtype, shape))
+    numel = math.prod((count, *layout.shape[1:]) if layout.shape else ())
+    out = pool.take(numel * layout.dtype.itemsize) if pool is not None else empty_bytes(numel * layout.dtype.itemsize)
+    if numel:
+        if raw.ctypes.data % layout.source_dtype.itemsize:  # a source tensor not aligned to its dtype
+            raw = raw.copy()
+        _as_torch(out, layout.dtype).copy_(_as_torch(raw, layout.source_dtype))
     return out, out
+
+
+def _as_torch(buf: np.ndarray, dtype: DType):
+    """A flat uint8 buffer (aligned to the dtype) as a 1-D torch tensor of `dtype` over the same memory."""
+    import torch
+
+    return torch.from_numpy(buf).view(dtype.torch)
 
 
 def tensor_pieces(
     layout: TensorLayout,
     chunks: list[ChunkRecord],
-    read_rows: Callable[[int, int, torch.Tensor], None],
+    read_rows: Callable[[int, int, np.ndarray], None],
     pool: BufferPool,
     band_bytes: int = BAND_BYTES,
 ) -> Iterator[list[Piece]]:
     """Yield, band after band, the pieces of `chunks` (this tensor's chunks, canonical order), each contiguous
-    in the stored dtype (for readers that compare or keep them; the converter streams `cut_band`'s views).
+    bytes in the stored dtype (for readers that compare or keep them; the converter streams `cut_band`'s views).
 
     `read_rows(start, count, out)` fills the flat uint8 `out` with source rows `[start, start + count)` (for a
     0-dim tensor: its one element). Each list is valid only until the next is requested (buffers are reused).
@@ -223,25 +229,16 @@ def tensor_pieces(
         if band.count:
             read_rows(band.start, band.count, raw)
         data, cast = cast_band(layout, raw, count, pool)
-        staging = pool.take(data.numel()) if layout.shard_dim == 1 else None
+        staging = pool.take(data.size) if layout.shard_dim == 1 else None
         pieces, at = [], 0
         for p in cut_band(layout, band, data):
             view = p.data
-            if staging is not None and view.numel():  # gather the strided columns, one after another
-                target = staging[at : at + view.numel()]
-                target.view(view.shape).copy_(view)
-                view, at = target, at + view.numel()
-            shape = _piece_shape(layout, p.chunk, view.numel())
-            pieces.append(Piece(p.chunk, _typed(view, layout.dtype, shape), p.first, p.last))
+            if staging is not None and view.size:  # gather the strided columns, one after another
+                target = staging[at : at + view.size]
+                np.copyto(target.reshape(view.shape), view)
+                view, at = target, at + view.size
+            pieces.append(Piece(p.chunk, view.reshape(-1), p.first, p.last))
         yield pieces
         for buf in (raw, cast, staging):
             if buf is not None:
                 pool.give(buf)
-
-
-def _piece_shape(layout: TensorLayout, chunk: ChunkRecord, nbytes: int) -> tuple[int, ...]:
-    if not layout.shape:
-        return ()
-    inner = list(chunk.sizes[1:])
-    per_row = math.prod(inner) * layout.dtype.itemsize
-    return (nbytes // per_row if per_row else chunk.sizes[0], *inner)

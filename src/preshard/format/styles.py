@@ -4,8 +4,9 @@ A style owns every fact about itself, so that adding one touches this module onl
 - which dimension of the weight and of the bias it splits (`shard_dim`);
 - how a split dimension is cut into packed blocks (`block_sizes`), each split separately across ranks;
 - which rectangular chunks (`Box`es) of the source tensor each TP rank keeps, and the local shape;
-- how the runtime rewires the module's forward (`parallel_forward`); styles whose output is already this
-  rank's slice of the features (colwise, packed colwise) need none.
+- how the runtime rewires the module's forward (`parallel_forward`, in `style_forwards`, which imports torch when
+  the runtime asks for it); styles whose output is already this rank's slice of the features (colwise, packed
+  colwise) need none.
 
 For `W` of shape `[out, in]`, T ranks, rank r: colwise keeps rows `[r*out/T, (r+1)*out/T)`; rowwise keeps
 columns and all-reduces `x_r W_r^T`, adding the bias once after the reduce; packed styles do the same
@@ -23,9 +24,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
-
-import torch
-import torch.nn.functional as F
 
 from preshard.errors import PlanError
 
@@ -68,7 +66,7 @@ class Style:
         """How many dims the module's weight has: 2 for a Linear `[out, in]`, 1 for a norm `[features]`."""
         return 1 if self.module_kind == "norm" else 2
 
-    def parallel_forward(self) -> Callable[..., torch.Tensor] | None:
+    def parallel_forward(self) -> Callable[..., Any] | None:
         """`forward(module, x, tp_rank, tp, all_reduce)` for a rewired module; None leaves it unchanged."""
         return None
 
@@ -96,11 +94,6 @@ class PackedColwise(Colwise):
     packed: ClassVar[bool] = True
 
 
-def _row_parallel(linear: torch.nn.Linear, x: torch.Tensor, all_reduce: Callable[[torch.Tensor], torch.Tensor]):
-    out = all_reduce(F.linear(x, linear.weight))
-    return out if linear.bias is None else out + linear.bias
-
-
 @dataclass(frozen=True)
 class Rowwise(Style):
     """Input features split; the input is already this rank's slice. All-reduce, then the bias once."""
@@ -109,11 +102,10 @@ class Rowwise(Style):
     weight_dim: ClassVar[int | None] = 1
     reduces_output: ClassVar[bool] = True
 
-    def parallel_forward(self) -> Callable[..., torch.Tensor]:
-        def forward(linear, x, tp_rank, tp, all_reduce):
-            return _row_parallel(linear, x, all_reduce)
+    def parallel_forward(self) -> Callable[..., Any]:
+        from preshard.format.style_forwards import rowwise_forward
 
-        return forward
+        return rowwise_forward
 
 
 @dataclass(frozen=True)
@@ -130,42 +122,10 @@ class ReplicatedInputRowwise(Rowwise):
 
     name: ClassVar[str] = "replicated_input_rowwise"
 
-    def parallel_forward(self) -> Callable[..., torch.Tensor]:
-        def forward(linear, x, tp_rank, tp, all_reduce):
-            width = linear.weight.shape[1]
-            return _row_parallel(linear, x[..., tp_rank * width : (tp_rank + 1) * width], all_reduce)
+    def parallel_forward(self) -> Callable[..., Any]:
+        from preshard.format.style_forwards import replicated_input_rowwise_forward
 
-        return forward
-
-
-def _computation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32 for 16-bit floats (as torch's own rms_norm upcasts), else the dtype itself."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
-def _tp_rms_norm_forward(norm, x: torch.Tensor, tp_rank: int, tp: int, all_reduce) -> torch.Tensor:
-    """RMSNorm of rows split over the TP group: this rank holds `x`'s local features and the matching weight slice.
-
-    Casts as the module it replaces: `torch.nn.RMSNorm` computes in the upcast dtype, multiplies by the weight
-    there and casts back to the input dtype; diffusers' RMSNorm casts to a 16-bit weight's dtype before the
-    weight, and back to the input dtype only without a weight.
-    """
-    up = x.to(_computation_dtype(x.dtype))
-    square_sum = all_reduce(up.pow(2).sum(-1, keepdim=True))
-    eps = norm.eps if norm.eps is not None else torch.finfo(up.dtype).eps
-    inverse_rms = torch.rsqrt(square_sum / norm.preshard_full_width + eps)
-    weight = norm.weight
-    if isinstance(norm, torch.nn.RMSNorm):
-        out = up * inverse_rms
-        return (out if weight is None else out * weight).to(x.dtype)
-    out = x * inverse_rms
-    if weight is None:
-        return out.to(x.dtype)
-    if weight.dtype in (torch.float16, torch.bfloat16):
-        out = out.to(weight.dtype)
-    out = out * weight
-    bias = getattr(norm, "bias", None)
-    return out if bias is None else out + bias
+        return replicated_input_rowwise_forward
 
 
 @dataclass(frozen=True)
@@ -182,8 +142,10 @@ class TPRMSNorm(Style):
     bias_dim: ClassVar[int | None] = 0
     module_kind: ClassVar[str] = "norm"
 
-    def parallel_forward(self) -> Callable[..., torch.Tensor]:
-        return _tp_rms_norm_forward
+    def parallel_forward(self) -> Callable[..., Any]:
+        from preshard.format.style_forwards import tp_rms_norm_forward
+
+        return tp_rms_norm_forward
 
     @staticmethod
     def width(module: Any) -> int | None:
@@ -193,8 +155,8 @@ class TPRMSNorm(Style):
             shape = getattr(module, "dim", None)
         if isinstance(shape, int) and not isinstance(shape, bool):
             return shape
-        if isinstance(shape, (tuple, list, torch.Size)) and len(shape) == 1 and isinstance(shape[0], int):
-            return int(shape[0])
+        if isinstance(shape, (tuple, list)) and len(shape) == 1 and isinstance(shape[0], int):
+            return int(shape[0])  # (torch.Size is a tuple)
         return None
 
     @staticmethod
@@ -202,7 +164,8 @@ class TPRMSNorm(Style):
         """Why `module` cannot take this style (None: it can): torch's and diffusers' RMSNorm over one dim."""
         cls = type(module)  # exactly these two: a subclass may compute something else in its forward
         diffusers_rms = cls.__name__ == "RMSNorm" and cls.__module__ == "diffusers.models.normalization"
-        if not (cls is torch.nn.RMSNorm or diffusers_rms):
+        torch_rms = cls.__name__ == "RMSNorm" and cls.__module__ == "torch.nn.modules.normalization"
+        if not (torch_rms or diffusers_rms):
             return f"is a {cls.__name__}, and tp_rms_norm knows torch.nn.RMSNorm and diffusers' RMSNorm only"
         if TPRMSNorm.width(module) is None:
             return "normalises over more than one trailing dim, and tp_rms_norm splits one"

@@ -53,8 +53,9 @@ import math
 import operator
 import struct
 from dataclasses import dataclass
+from typing import Any
 
-import torch
+from preshard.format.dtypes import DType, as_dtype
 
 RECORD_FRAMING_VERSION = 1  # bump if the bytes produced ever change
 
@@ -75,23 +76,21 @@ _END = struct.Struct("<IHHHHIIH")  # 22 bytes
 _FLAG_DESCRIPTOR = 0x0008
 _FLAG_UTF8 = 0x0800
 
-# dtypes torch pickles with a legacy typed storage class (torch.storage._dtype_to_storage_type_map)
-_LEGACY_STORAGE: dict[torch.dtype, str] = {
-    torch.float64: "DoubleStorage",
-    torch.float32: "FloatStorage",
-    torch.float16: "HalfStorage",
-    torch.bfloat16: "BFloat16Storage",
-    torch.int64: "LongStorage",
-    torch.int32: "IntStorage",
-    torch.int16: "ShortStorage",
-    torch.int8: "CharStorage",
-    torch.uint8: "ByteStorage",
-    torch.bool: "BoolStorage",
+# dtypes torch pickles with a legacy typed storage class (torch.storage._dtype_to_storage_type_map), by name
+_LEGACY_STORAGE: dict[str, str] = {
+    "float64": "DoubleStorage",
+    "float32": "FloatStorage",
+    "float16": "HalfStorage",
+    "bfloat16": "BFloat16Storage",
+    "int64": "LongStorage",
+    "int32": "IntStorage",
+    "int16": "ShortStorage",
+    "int8": "CharStorage",
+    "uint8": "ByteStorage",
+    "bool": "BoolStorage",
 }
 # dtypes torch pickles as an UntypedStorage plus the dtype (torch.storage._new_dtypes)
-_UNTYPED_STORAGE: frozenset[torch.dtype] = frozenset(
-    {torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64}
-)
+_UNTYPED_STORAGE: frozenset[str] = frozenset({"float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64"})
 
 # First half of torch's serialization id: libstdc++'s combined std::hash of the seven record names.
 _NAME_HASH_DIGITS = "15728199511854643026"
@@ -117,8 +116,8 @@ class RecordFraming:
 
 
 @functools.lru_cache(maxsize=8192)
-def record_framing(dtype: torch.dtype, shape: tuple[int, ...]) -> RecordFraming:
-    """Header and trailer of `torch.save` of a contiguous tensor of `dtype` and `shape`.
+def record_framing(dtype: DType | Any, shape: tuple[int, ...]) -> RecordFraming:
+    """Header and trailer of `torch.save` of a contiguous tensor of `dtype` (a `DType` or torch's) and `shape`.
 
     Cached (functools.lru_cache): many chunks share dtype and shape. `shape` must be hashable (a tuple or
     torch.Size). Raises ValueError for a dtype preshard does not handle or a negative dimension.
@@ -126,7 +125,8 @@ def record_framing(dtype: torch.dtype, shape: tuple[int, ...]) -> RecordFraming:
     shape = tuple(operator.index(d) for d in shape)
     if any(d < 0 for d in shape):
         raise ValueError(f"negative dimension in shape {shape}")
-    if dtype not in _LEGACY_STORAGE and dtype not in _UNTYPED_STORAGE:
+    dtype = as_dtype(dtype)
+    if dtype.name not in _LEGACY_STORAGE and dtype.name not in _UNTYPED_STORAGE:
         raise ValueError(f"no torch.save framing for dtype {dtype}")
     numel = math.prod(shape)
     data_length = numel * dtype.itemsize
@@ -152,7 +152,7 @@ def record_framing(dtype: torch.dtype, shape: tuple[int, ...]) -> RecordFraming:
     return RecordFraming(header=header, trailer=zip_.take(), data_length=data_length)
 
 
-def framing_matches(header_bytes: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
+def framing_matches(header_bytes: bytes, dtype: DType, shape: tuple[int, ...]) -> bool:
     """Whether `header_bytes` (a record's first bytes, up to its data) are the header expected for (dtype, shape)."""
     expected = record_framing(dtype, shape).header
     return len(header_bytes) == len(expected) and header_bytes == expected
@@ -217,8 +217,8 @@ class _Pickle:
         self.put()
 
 
-def _tensor_pickle(dtype: torch.dtype, shape: tuple[int, ...], numel: int, data_length: int) -> bytes:
-    untyped = dtype in _UNTYPED_STORAGE
+def _tensor_pickle(dtype: DType, shape: tuple[int, ...], numel: int, data_length: int) -> bytes:
+    untyped = dtype.name in _UNTYPED_STORAGE
     p = _Pickle()
     p.global_("torch._utils", "_rebuild_tensor_v3" if untyped else "_rebuild_tensor_v2")
     p.raw(b"(")  # MARK: the rebuild function's arguments
@@ -227,7 +227,7 @@ def _tensor_pickle(dtype: torch.dtype, shape: tuple[int, ...], numel: int, data_
     if untyped:
         p.global_("torch.storage", "UntypedStorage")
     else:
-        p.global_("torch", _LEGACY_STORAGE[dtype])
+        p.global_("torch", _LEGACY_STORAGE[dtype.name])
     p.string("0")  # storage key, also the zip entry data/0
     p.string("cpu")
     p.int_(data_length if untyped else numel)
@@ -242,7 +242,7 @@ def _tensor_pickle(dtype: torch.dtype, shape: tuple[int, ...], numel: int, data_
     p.raw(b")R")  # EMPTY_TUPLE, REDUCE: the (empty) backward hooks
     p.put()
     if untyped:
-        p.global_("torch", str(dtype).removeprefix("torch."))
+        p.global_("torch", dtype.name)
     p.raw(b"t")  # TUPLE
     p.put()
     p.raw(b"R")  # REDUCE

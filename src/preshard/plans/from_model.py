@@ -30,6 +30,7 @@ from preshard.plans.model_check import (
     folded,
     is_attention,
 )
+from preshard.plans.model_class import check_cp_plan, declared_class, import_model_class
 
 # Where a class's `_cp_plan` splits several sequences that its attention joins, the order of the join (the
 # processors' `torch.cat([encoder_query, query])`): context parallelism needs it to drop each sequence's padding.
@@ -38,28 +39,6 @@ DIFFUSERS_CP_JOIN_ORDER: dict[str, tuple[str, ...]] = {
     "Flux2Transformer2DModel": ("encoder_hidden_states", "hidden_states"),
     "QwenImageTransformer2DModel": ("encoder_hidden_states", "hidden_states"),
 }
-
-
-def import_model_class(class_name: str) -> type:
-    """`diffusers.<class_name>`.
-
-    Raises:
-        PlanError: diffusers is not installed, or has no such class.
-    """
-    try:
-        import diffusers
-    except ImportError:
-        raise PlanError(
-            f"the checkpoint's model class {class_name} has no built-in plan; reading the plan it declares needs "
-            "diffusers: pip install 'preshard[diffusers]', or pass --plan NAME|FILE"
-        ) from None
-    cls = getattr(diffusers, class_name, None)
-    if not isinstance(cls, type) or not issubclass(cls, nn.Module):
-        raise PlanError(
-            f"no built-in plan for model class {class_name}, and diffusers {diffusers.__version__} has no such "
-            "model class; pass --plan NAME|FILE"
-        )
-    return cls
 
 
 def build_on_meta(cls: type, config: dict[str, Any]) -> nn.Module:
@@ -188,39 +167,6 @@ def cp_plan_from_diffusers(plan: dict[Any, Any]) -> dict[str, CPEntry]:
     return result
 
 
-def _declared_class(config: dict[str, Any] | None) -> type | None:
-    """The diffusers class config.json's `_class_name` names, or None where there is none to import."""
-    class_name = (config or {}).get("_class_name")
-    if not isinstance(class_name, str):
-        return None
-    try:
-        return import_model_class(class_name)
-    except PlanError:
-        return None
-
-
-def check_cp_plan(plan: Plan, config: dict[str, Any] | None, cp: int) -> None:
-    """A CP mesh (`cp` = ring x ulysses > 1) needs a CP plan: the plan's own, or the model class's `_cp_plan`
-    (what the runtime uses): refused when converting rather than by every rank at load. Imports diffusers (~2 s)
-    unless the plan has its own; an unknown class is not checked.
-
-    Raises:
-        PlanError: neither the plan nor the model class has one; a config value the CP plan does not work for.
-    """
-    if cp <= 1:
-        return
-    plan.check_cp_config(config)
-    if plan.cp_plan:
-        return
-    cls = _declared_class(config)
-    if cls is not None and not getattr(cls, "_cp_plan", None):
-        raise PlanError(
-            f"plan {plan.name} has no cp_plan and {cls.__name__} declares no _cp_plan, so no rank could load a "
-            f"context-parallel mesh (ring x ulysses = {cp}): use ring=1 and ulysses=1 (--cp 1), or add a cp_plan "
-            "to a plan file"
-        )
-
-
 def check_plan_against_model(plan: Plan, config: dict[str, Any] | None, tp: int, cp: int = 1) -> None:
     """At conversion time, the plan against the model's modules: the attention attributes it divides exist and
     divide by `tp`; every rule fits what it names; in attention whose heads it divides, no Linear is left whole
@@ -237,7 +183,7 @@ def check_plan_against_model(plan: Plan, config: dict[str, Any] | None, tp: int,
     """
     check_cp_plan(plan, config, cp)
     rules = [rule for rule in plan.attention if rule.divide]
-    cls = _declared_class(config) if rules or plan.linear else None
+    cls = declared_class(config) if rules or plan.linear else None
     if cls is None:
         return
     model = build_on_meta(cls, config or {})

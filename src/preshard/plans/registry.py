@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from preshard.errors import PlanError
 from preshard.format.jsonio import parse_json_text, read_json
 from preshard.format.plan import Plan
-from preshard.plans.model_check import structure_shown_by_tensors
+from preshard.plans.tensor_check import structure_shown_by_tensors
 
 if TYPE_CHECKING:
     from preshard.format.layout import TensorLayout
@@ -58,7 +58,7 @@ def vouched_for(plan: Plan, config: dict[str, Any] | None, layouts: Mapping[str,
     """Whether conversion may skip checking `plan` against the model class (`check_plan_against_model`): `plan`
     is a built-in plan, as shipped, made for the checkpoint's model class (config.json's `_class_name` among its
     `model_classes`); the checkpoint's tensors (`layouts`, resolved under it) show no module it leaves whole
-    where the model check would refuse one (`model_check.structure_shown_by_tensors`); and a CP mesh (`cp` =
+    where the model check would refuse one (`tensor_check.structure_shown_by_tensors`); and a CP mesh (`cp` =
     ring x ulysses > 1) has the plan's own CP plan (else the class's `_cp_plan` decides, which needs the class).
 
     Why: the model check imports diffusers and builds the model on the meta device (about 2 CPU s, more than

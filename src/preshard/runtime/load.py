@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from preshard.errors import MismatchError, UsageError
-from preshard.format.dtypes import parse_cast
+from preshard.format.dtypes import DType, parse_cast
 from preshard.format.manifest import MANIFEST_NAME, Manifest
 from preshard.format.mesh import MeshSpec
 from preshard.runtime import collectives
@@ -281,12 +281,13 @@ def _new_report(rank_device: RankDevice, mesh: MeshSpec, groups: MeshGroups, che
     )
 
 
-def _target_dtype(name: str, stored: torch.dtype, requested: torch.dtype | None, keep_fp32: list[str]) -> torch.dtype:
+def _target_dtype(name: str, stored: DType, requested: DType | None, keep_fp32: list[str]) -> torch.dtype:
+    """torch's dtype for the parameter: the stored one, or the requested cast (floating ones, unless kept)."""
     if requested is None or not stored.is_floating_point or stored.itemsize == 1:
-        return stored
+        return stored.torch
     if any(part in name.split(".") for part in keep_fp32):
-        return stored
-    return requested
+        return stored.torch
+    return requested.torch
 
 
 def _assign(net: nn.Module, name: str, value: torch.Tensor) -> None:

@@ -190,7 +190,7 @@ class ShardReader:
         return out.narrow(d, layout.local_start(chunk.box, self.manifest.tp), chunk.sizes[d])
 
     def _dtype(self, chunk: ChunkRecord) -> torch.dtype:
-        return self.manifest.tensors[chunk.tensor].layout.dtype
+        return self.manifest.tensors[chunk.tensor].layout.dtype.torch
 
     def _direct(self, chunk: ChunkRecord, target: torch.Tensor) -> bool:
         """On the CPU, a contiguous region of the stored dtype takes the bytes itself, with no staging copy."""

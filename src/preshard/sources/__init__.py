@@ -10,8 +10,9 @@ from preshard.errors import SourceError, SourceNotFoundError
 from preshard.sources.local import CheckpointSource, open_local
 
 if TYPE_CHECKING:
-    import torch
+    import numpy as np
 
+    from preshard.format.dtypes import DType
     from preshard.format.manifest import Source
     from preshard.sources.hub import HubSnapshot
 
@@ -20,9 +21,9 @@ class SourceRows(Protocol):
     """An open source: rows of its tensors, the file each tensor is in, the file hashes it saw, and proofs of what
     each tensor read came from (journalled, so that a resume keeps only what the source still holds)."""
 
-    def read_rows(self, name: str, start: int, count: int, out: torch.Tensor) -> None: ...
-    def start_band(self, name: str, start: int, count: int, buffer: torch.Tensor) -> Any: ...
-    def finish_band(self, band: Any) -> torch.Tensor: ...
+    def read_rows(self, name: str, start: int, count: int, out: np.ndarray) -> None: ...
+    def start_band(self, name: str, start: int, count: int, buffer: np.ndarray) -> Any: ...
+    def finish_band(self, band: Any) -> np.ndarray: ...
     def file_of(self, name: str) -> str: ...
     def file_hashes(self, names: set[str] | None = None) -> dict[str, str]: ...
     def take_proofs(self) -> dict[str, str]: ...
@@ -36,7 +37,7 @@ class ConversionSource(Protocol):
 
     config: dict[str, Any] | None
 
-    def shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]: ...
+    def shapes(self) -> dict[str, tuple[tuple[int, ...], DType]]: ...
     def read_order(self) -> list[str]: ...
     def input_paths(self) -> list[Path]: ...
     def config_bytes(self) -> bytes | None: ...
@@ -114,7 +115,7 @@ class HeaderSource:
 
     given: str
     hub: HubSnapshot
-    tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    tensors: dict[str, tuple[tuple[int, ...], DType]]
     config: dict[str, Any] | None
     raw_config: bytes | None
     kind: str = "hub"
@@ -123,7 +124,7 @@ class HeaderSource:
     def total_bytes(self) -> int:
         return sum(_nbytes(shape, dtype) for shape, dtype in self.tensors.values())
 
-    def shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    def shapes(self) -> dict[str, tuple[tuple[int, ...], DType]]:
         return dict(self.tensors)
 
     def read_order(self) -> list[str]:
@@ -143,7 +144,7 @@ class HeaderSource:
     identity = check_unchanged = open_reader = source_record = _headers_only
 
 
-def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+def _nbytes(shape: tuple[int, ...], dtype: DType) -> int:
     count = 1
     for size in shape:
         count *= size
@@ -179,7 +180,7 @@ def open_source_headers(
     headers, config, commit = hub.source_headers(str(source), subfolder=subfolder, revision=revision, token=token)
     clean = hub.clean_subfolder(subfolder)
     snapshot = hub.HubSnapshot(str(source), clean, revision, commit, Path(), tuple(headers))
-    tensors: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    tensors: dict[str, tuple[tuple[int, ...], DType]] = {}
     for file_name, header in headers.items():
         entries = sorted(
             ((name, info) for name, info in header.items() if name != "__metadata__"),

@@ -8,9 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from preshard.errors import SourceError, SourceNotFoundError
+from preshard.format.dtypes import DType
 from preshard.format.jsonio import read_json
 from preshard.sources.safetensors_file import SafetensorsHeader, TensorEntry, read_header
 
@@ -54,7 +53,7 @@ class CheckpointSource:
 
     # -- what the converter asks of any source (see preshard.sources.ConversionSource)
 
-    def shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    def shapes(self) -> dict[str, tuple[tuple[int, ...], DType]]:
         return {name: (entry.shape, entry.dtype) for name, entry in self.tensors.items()}
 
     def read_order(self) -> list[str]:

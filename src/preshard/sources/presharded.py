@@ -40,10 +40,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 import xxhash
 
 from preshard.errors import CheckpointNotFoundError, ChecksumMismatch, CorruptCheckpointError, SourceError
+from preshard.format.dtypes import DType
 from preshard.format.fileio import HASH_BLOCK, byte_view, pread_into
 from preshard.format.folder import CheckpointFolder
 from preshard.format.jsonio import parse_json_text
@@ -144,7 +144,7 @@ class PreshardedSource:
 
     # -- what the converter asks of any source (see preshard.sources.ConversionSource)
 
-    def shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    def shapes(self) -> dict[str, tuple[tuple[int, ...], DType]]:
         """Every tensor's global shape and *source* dtype (the plan re-applies the input's own cast)."""
         return {name: (r.layout.shape, r.layout.source_dtype) for name, r in self.manifest.tensors.items()}
 
@@ -239,7 +239,7 @@ class PreshardedRows:
 
     # -- the ConversionSource reader protocol
 
-    def read_rows(self, name: str, start: int, count: int, out: torch.Tensor) -> None:
+    def read_rows(self, name: str, start: int, count: int, out: np.ndarray) -> None:
         """Fill the flat uint8 `out` with rows `[start, start + count)` of tensor `name`, in its source dtype.
 
         Raises:
@@ -253,12 +253,12 @@ class PreshardedRows:
         if layout.dtype == layout.source_dtype:
             self._read_stored(record, start, count, out)
             return
-        stored_bytes = out.numel() // layout.source_dtype.itemsize * layout.dtype.itemsize
+        stored_bytes = out.size // layout.source_dtype.itemsize * layout.dtype.itemsize
         stored = self._scratch("cast", stored_bytes)
         self._read_stored(record, start, count, stored)
         self._uncast(record, stored, out)
 
-    def start_band(self, name: str, start: int, count: int, buffer: torch.Tensor) -> torch.Tensor:
+    def start_band(self, name: str, start: int, count: int, buffer: np.ndarray) -> np.ndarray:
         """Rows `[start, start + count)` of `name` into the flat uint8 `buffer` (read at once: the converter's
         pipeline already runs this on its reader thread); returns the view holding them."""
         layout = self.manifest.tensors[name].layout
@@ -267,7 +267,7 @@ class PreshardedRows:
         self.read_rows(name, start, count, view)
         return view
 
-    def finish_band(self, band: torch.Tensor) -> torch.Tensor:
+    def finish_band(self, band: np.ndarray) -> np.ndarray:
         return band
 
     def file_of(self, name: str) -> str:
@@ -299,7 +299,7 @@ class PreshardedRows:
 
     # -- assembling rows
 
-    def _read_stored(self, record: TensorRecord, start: int, count: int, out: torch.Tensor) -> None:
+    def _read_stored(self, record: TensorRecord, start: int, count: int, out: np.ndarray) -> None:
         """Rows `[start, start + count)` in the stored dtype, into the flat uint8 `out`."""
         layout = record.layout
         item = layout.dtype.itemsize
@@ -311,7 +311,7 @@ class PreshardedRows:
             return
         if layout.shard_dim == 1:
             cols = layout.shape[1]
-            rows = out.numpy().reshape(count, cols * item) if count * cols else None
+            rows = out.reshape(count, cols * item) if count * cols else None
             for index, c in enumerate(record.chunks):
                 width = c.sizes[1] * item
                 if not width or rows is None:
@@ -323,8 +323,8 @@ class PreshardedRows:
                 scratch = self._scratch("columns", count * width)
                 self._read_chunk(record, index, at, byte_view(scratch))
                 col = c.offsets[1] * item
-                # numpy: single-threaded, GIL released; torch's strided copy took several times the CPU
-                np.copyto(rows[:, col : col + width], scratch.numpy().reshape(count, width))
+                # numpy: single-threaded, GIL released (torch's strided copy took several times the CPU)
+                np.copyto(rows[:, col : col + width], scratch.reshape(count, width))
             return
         row_bytes = math.prod(layout.shape[1:]) * item
         view = byte_view(out)
@@ -397,12 +397,16 @@ class PreshardedRows:
             digest.update(view)
         return digest.hexdigest()
 
-    def _uncast(self, record: TensorRecord, stored: torch.Tensor, out: torch.Tensor) -> None:
-        """Stored-dtype bytes back to the source dtype, checking that the input's cast gives the stored bytes again."""
+    def _uncast(self, record: TensorRecord, stored: np.ndarray, out: np.ndarray) -> None:
+        """Stored-dtype bytes back to the source dtype, checking that the input's cast gives the stored bytes again
+        (with torch, imported then: only a cast checkpoint needs it)."""
+        import torch
+
         layout = record.layout
-        src = stored.view(layout.dtype)
-        dst = out.view(layout.source_dtype)
-        back = self._scratch("recast", min(src.numel(), CAST_CHECK_ELEMS) * layout.dtype.itemsize).view(layout.dtype)
+        src = torch.from_numpy(stored).view(layout.dtype.torch)
+        dst = torch.from_numpy(out).view(layout.source_dtype.torch)
+        scratch = self._scratch("recast", min(src.numel(), CAST_CHECK_ELEMS) * layout.dtype.itemsize)
+        back = torch.from_numpy(scratch).view(layout.dtype.torch)
         for lo in range(0, src.numel(), CAST_CHECK_ELEMS):
             hi = min(lo + CAST_CHECK_ELEMS, src.numel())
             dst[lo:hi].copy_(src[lo:hi])
@@ -414,13 +418,13 @@ class PreshardedRows:
                     f"dtype {layout.source_dtype} gives; the checkpoint is damaged: restore it, or convert again"
                 )
 
-    def _scratch(self, purpose: str, nbytes: int) -> torch.Tensor:
+    def _scratch(self, purpose: str, nbytes: int) -> np.ndarray:
         """A per-thread reusable byte buffer of at least `nbytes` (grown, never shrunk below the largest band)."""
         buffers = self._local.__dict__.setdefault("buffers", {})
         buf = buffers.get(purpose)
-        if buf is None or buf.numel() < nbytes:
+        if buf is None or buf.size < nbytes:
             buffers.pop(purpose, None)
-            buf = buffers[purpose] = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+            buf = buffers[purpose] = np.empty(max(nbytes, 1), dtype=np.uint8)
         return buf[:nbytes]
 
     @property

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
 import xxhash
 
 from preshard.format.fileio import HASH_BLOCK, byte_view, pread_into
@@ -155,8 +155,8 @@ class PendingBand:
     path: Path
     offset: int
     nbytes: int
-    buffer: torch.Tensor
-    direct: tuple[torch.Tensor, list[Future]] | None  # the aligned region and its part reads, when direct
+    buffer: np.ndarray
+    direct: tuple[np.ndarray, list[Future]] | None  # the aligned region and its part reads, when direct
 
 
 class SourceReader:
@@ -189,17 +189,17 @@ class SourceReader:
         for path, header in self.files.items():
             self._feed(path, 0, os.pread(self.fds[path], header.header_bytes, 0))
 
-    def read_rows(self, name: str, start: int, count: int, out: torch.Tensor) -> None:
+    def read_rows(self, name: str, start: int, count: int, out: np.ndarray) -> None:
         """Fill the flat uint8 `out` with rows `[start, start + count)` along dim 0 of tensor `name`."""
         entry = self.tensors[name]
         self.read_into(entry, entry.start + start * entry.row_bytes, out)
 
-    def read_band(self, name: str, start: int, count: int, buffer: torch.Tensor) -> torch.Tensor:
+    def read_band(self, name: str, start: int, count: int, buffer: np.ndarray) -> np.ndarray:
         """Rows `[start, start + count)` of tensor `name`, read into `buffer` (flat uint8, at least
         `band_buffer_bytes` of the rows' size), from the page cache or directly; returns the view holding them."""
         return self.finish_band(self.start_band(name, start, count, buffer))
 
-    def start_band(self, name: str, start: int, count: int, buffer: torch.Tensor) -> PendingBand:
+    def start_band(self, name: str, start: int, count: int, buffer: np.ndarray) -> PendingBand:
         """Start reading a band (as `read_band`): a direct read is under way when this returns, so that the next
         band's can start before this one's ends. Finish bands with `finish_band`, in the order they were started
         (the file hashes are fed then)."""
@@ -208,7 +208,7 @@ class SourceReader:
         nbytes = count * entry.row_bytes if entry.shape else entry.nbytes
         return PendingBand(entry.path, offset, nbytes, buffer, self._start_direct(entry.path, offset, nbytes, buffer))
 
-    def finish_band(self, band: PendingBand) -> torch.Tensor:
+    def finish_band(self, band: PendingBand) -> np.ndarray:
         """Wait for a band started with `start_band`; returns the view holding its rows."""
         view = None
         if band.direct is not None:
@@ -233,7 +233,7 @@ class SourceReader:
         self._feed(band.path, band.offset, data)
         return view
 
-    def _start_direct(self, path: Path, offset: int, nbytes: int, buffer: torch.Tensor):
+    def _start_direct(self, path: Path, offset: int, nbytes: int, buffer: np.ndarray):
         """Start an O_DIRECT read unless the range is cached (or small, or O_DIRECT is not to be had): the file's
         blocks around the range land in `buffer` at an aligned address. Returns (region, futures) or None."""
         fd = self._direct_fd(path) if nbytes >= DIRECT_MIN_BYTES else None
@@ -242,8 +242,8 @@ class SourceReader:
         first = offset - offset % ALIGN
         last = offset + nbytes
         last += -last % ALIGN
-        skip = -buffer.data_ptr() % ALIGN
-        if skip + last - first > buffer.numel():
+        skip = -buffer.ctypes.data % ALIGN
+        if skip + last - first > buffer.size:
             return None
         region = buffer[skip : skip + last - first]
         view = byte_view(region)
@@ -273,7 +273,7 @@ class SourceReader:
             self._threads = ThreadPoolExecutor(2 * DIRECT_PARTS, thread_name_prefix="read")
         return self._threads
 
-    def read_into(self, entry: TensorEntry, offset: int, out: torch.Tensor) -> None:
+    def read_into(self, entry: TensorEntry, offset: int, out: np.ndarray) -> None:
         """Fill the flat uint8 `out` with `entry`'s file bytes at absolute `offset`."""
         view = byte_view(out)
         pread_into(self.fds[entry.path], offset, [view], entry.path.name)

@@ -17,10 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from preshard.errors import SourceError
-from preshard.format.dtypes import SAFETENSORS_DTYPES
+from preshard.format.dtypes import SAFETENSORS_DTYPES, DType
 from preshard.format.folder import open_regular
 from preshard.format.layout import fits_int64
 
@@ -31,7 +29,7 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024
 class TensorEntry:
     name: str
     path: Path
-    dtype: torch.dtype
+    dtype: DType
     shape: tuple[int, ...]
     start: int  # absolute byte offset in the file
     end: int
@@ -121,7 +119,7 @@ def parse_header(path: Path, size: int, raw: bytes, mtime_ns: int = 0) -> Safete
     return SafetensorsHeader(path, size, data_start, tensors, metadata, text, mtime_ns)
 
 
-def check_shape(shape: Any, dtype: torch.dtype, where: str) -> tuple[int, ...]:
+def check_shape(shape: Any, dtype: DType, where: str) -> tuple[int, ...]:
     """A header's shape: whole numbers >= 0 whose strides and byte size fit int64 (checked before anything is
     allocated or iterated: a dimension of 2**63, even with no elements, is refused in one line).
 

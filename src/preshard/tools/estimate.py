@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
+import numpy as np
 import xxhash
 
 from preshard.sources.reader import cached_bytes
@@ -47,7 +47,7 @@ PROBE_BLOCK = 8 << 20
 ALIGN = 4096
 PARALLEL = 4  # concurrent direct reads of a band (sources/reader.py) and data files written at once
 # The converter's CPU time per byte over the bare copies and hashes the probe times (threads, queues, O_DIRECT
-# system calls, torch views, the journal): measured on this project's 2-core machine, README "Dry run".
+# system calls, numpy views, the journal): measured on this project's 2-core machine, README "Dry run".
 CPU_OVERHEAD = 1.2
 
 
@@ -158,11 +158,11 @@ def probe(read_from: Path | None, write_in: Path | None, nbytes: int = PROBE_BYT
         read_rate = _direct_read(read_from, view) if read_from is not None else None
         write_rate = _direct_write(write_in, view) if write_in is not None else None
         view[:] = os.urandom(PROBE_BLOCK) * (nbytes // PROBE_BLOCK) + os.urandom(nbytes % PROBE_BLOCK)
-        source = torch.frombuffer(buffer, dtype=torch.uint8)
-        target = torch.empty(nbytes, dtype=torch.uint8)
-        target.copy_(source)  # both buffers faulted in first: the pipeline's buffers are reused, so are these
+        source = np.frombuffer(buffer, dtype=np.uint8)
+        target = np.empty(nbytes, dtype=np.uint8)
+        np.copyto(target, source)  # both buffers faulted in first: the pipeline's buffers are reused, so are these
         start = time.perf_counter()
-        target.copy_(source)  # as the pipeline copies (torch)
+        np.copyto(target, source)  # as the pipeline copies (numpy)
         copy_s = time.perf_counter() - start
         del source
         start = time.perf_counter()

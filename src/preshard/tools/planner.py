@@ -22,14 +22,12 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from preshard.errors import OutputError, PlanError, UsageError
-from preshard.format.dtypes import dtype_name, parse_cast
+from preshard.format.dtypes import DType, dtype_name, parse_cast
 from preshard.format.layout import FileLayout, TensorLayout, place_records
 from preshard.format.mesh import MeshSpec
 from preshard.format.plan import Plan, resolve_plan, valid_tp_degrees
-from preshard.plans.from_model import check_cp_plan
+from preshard.plans.model_class import check_cp_plan
 from preshard.plans.registry import choose_plan
 from preshard.sources import CheckpointSource, HeaderSource, open_source_headers
 from preshard.tools.estimate import Estimate, Probe, Work, estimate, input_cached, probe, timed_check
@@ -147,7 +145,7 @@ def plan_meshes(
     devices: int | None = None,
     device_memory_gib: float | None = None,
     plan: str | Path | Plan | None = None,
-    dtype: str | torch.dtype | None = None,
+    dtype: str | DType | Any | None = None,
     subfolder: str | None = None,
     revision: str | None = None,
     token: str | bool | None = None,
@@ -405,7 +403,7 @@ def dry_run(
     *,
     mesh: MeshSpec,
     plan: str | Path | Plan | None = None,
-    dtype: str | torch.dtype | None = None,
+    dtype: str | DType | Any | None = None,
     subfolder: str | None = None,
     revision: str | None = None,
     token: str | bool | None = None,

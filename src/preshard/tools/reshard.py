@@ -35,7 +35,7 @@ from preshard.format.dcp_metadata import write_dcp_metadata
 from preshard.format.jsonio import fsync_file, write_json_atomic
 from preshard.format.manifest import DCP_METADATA_NAME, MANIFEST_NAME, FileRecord, Manifest, created_now
 from preshard.format.mesh import MeshSpec
-from preshard.plans.from_model import check_cp_plan
+from preshard.plans.model_class import check_cp_plan
 from preshard.sources.presharded import PreshardedSource, open_presharded
 from preshard.units import human_bytes
 

@@ -32,7 +32,7 @@ import threading
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
-import torch
+import numpy as np
 
 from preshard.converter.workdir import SAFETENSORS_FOLDER, check_space, commit, fresh_workdir
 from preshard.converter.writer import RecordFileWriter, stage_bytes
@@ -243,7 +243,7 @@ def _write_file(path: Path, header: SafetensorsHeader, record, reader: Presharde
     filled: queue.SimpleQueue = queue.SimpleQueue()
     largest = max((b[3] for b in bands), default=0)
     for _ in range(min(READ_AHEAD + 1, len(bands))):
-        free.put(torch.empty(largest, dtype=torch.uint8))
+        free.put(np.empty(largest, dtype=np.uint8))
     finished = threading.Event()  # the file's thread is done (or failed): the reader stops
 
     def read() -> None:
@@ -286,7 +286,7 @@ def _write_file(path: Path, header: SafetensorsHeader, record, reader: Presharde
             buffer, out = item
             writer.append(out)
             free.put(buffer)
-            progress(out.numel())
+            progress(out.size)
         written = writer.position
         digest = writer.close()
     except BaseException:

@@ -30,7 +30,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
+import numpy as np
 import xxhash
 
 from preshard.errors import CheckpointNotFoundError, CorruptCheckpointError, UsageError
@@ -345,7 +345,7 @@ def _check_source(folder: CheckpointFolder, manifest: Manifest, src, result: Ver
             record = manifest.tensors.get(entry.name)
             layout = record.layout if record is not None else None
             if entry.name in fused:  # read (for the file hash), not compared: a LoRA changed it
-                reader.read_into(entry, entry.start, torch.empty(entry.nbytes, dtype=torch.uint8))
+                reader.read_into(entry, entry.start, np.empty(entry.nbytes, dtype=np.uint8))
                 bar.update(entry.nbytes)
                 result.lora_tensors += 1
                 continue
@@ -355,13 +355,13 @@ def _check_source(folder: CheckpointFolder, manifest: Manifest, src, result: Ver
                         f"tensor {entry.name} is {list(layout.shape)} {layout.source_dtype} in the manifest, "
                         f"{list(entry.shape)} {entry.dtype} in the source"
                     )
-                reader.read_into(entry, entry.start, torch.empty(entry.nbytes, dtype=torch.uint8))
+                reader.read_into(entry, entry.start, np.empty(entry.nbytes, dtype=np.uint8))
                 bar.update(entry.nbytes)
                 continue
 
-            def read_rows(start: int, count: int, out: torch.Tensor, entry=entry) -> None:
+            def read_rows(start: int, count: int, out: np.ndarray, entry=entry) -> None:
                 reader.read_into(entry, entry.start + start * entry.row_bytes, out)
-                bar.update(out.numel())
+                bar.update(out.size)
 
             equal = True
             position = {id(c): 0 for c in record.chunks}
