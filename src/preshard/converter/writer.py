@@ -141,16 +141,11 @@ class RecordFileWriter:
             pread_into(self.fd, self._base, [self._view[: self._fill]], self.path.name)
 
     def _write(self, data) -> None:
-        """Stage `data` (bytes, or a uint8 numpy array or torch tensor: 1-D, or 2-D with contiguous rows), hashing
-        it, and write out every full stage."""
+        """Stage `data` (bytes, or a uint8 numpy array: 1-D, or 2-D with contiguous rows), hashing it, and write out
+        every full stage."""
         self._ensure_stage()
-        if isinstance(data, np.ndarray):
-            if data.ndim == 1:
-                self._put_bytes(memoryview(data))
-            else:
-                self._put_rows(data)
-        elif hasattr(data, "numpy"):  # a tensor (the runtime's saving): torch is imported already
-            self._put_rows(data.numpy())
+        if isinstance(data, np.ndarray) and data.ndim > 1:
+            self._put_rows(data)
         else:
             self._put_bytes(memoryview(data).cast("B"))
 

@@ -82,11 +82,6 @@ class BufferPool:
             del self._free[: -self._keep]  # keep the few largest
 
 
-def empty_bytes(nbytes: int) -> np.ndarray:
-    """A fresh flat uint8 buffer (the data path's buffers are numpy arrays: no torch needed to move bytes)."""
-    return np.empty(nbytes, dtype=np.uint8)
-
-
 def band_rows(layout: TensorLayout, band_bytes: int = BAND_BYTES) -> int:
     """Rows per band: at least one row, at most about `band_bytes` of source data."""
     if not layout.shape:
@@ -194,7 +189,8 @@ def cast_band(
     if layout.dtype is layout.source_dtype:
         return raw, None
     numel = math.prod((count, *layout.shape[1:]) if layout.shape else ())
-    out = pool.take(numel * layout.dtype.itemsize) if pool is not None else empty_bytes(numel * layout.dtype.itemsize)
+    nbytes = numel * layout.dtype.itemsize
+    out = pool.take(nbytes) if pool is not None else np.empty(nbytes, np.uint8)
     if numel:
         if raw.ctypes.data % layout.source_dtype.itemsize:  # a source tensor not aligned to its dtype
             raw = raw.copy()
