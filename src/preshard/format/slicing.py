@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from preshard.format.dtypes import DType
+from preshard.format.fileio import direct_io_array
 from preshard.format.layout import ChunkRecord, TensorLayout
 
 BAND_BYTES = 32 << 20
@@ -58,7 +59,8 @@ class BufferPool:
 
     Thread-safe: the converter takes buffers on its reader and slicing threads and gives them back from its
     writers. `keep` free buffers (the largest) are kept; new ones get at least `minimum` bytes so that they
-    fit any later band.
+    fit any later band, in huge pages where the kernel has them (`DirectIOBuffer`: an O_DIRECT read into 4 KiB
+    pages reaches the device in 512 KiB requests, a quarter of the speed of reading into huge pages).
     """
 
     def __init__(self, keep: int = 3, minimum: int = 0) -> None:
@@ -72,10 +74,10 @@ class BufferPool:
             for i, buf in enumerate(self._free):
                 if buf.size >= nbytes:
                     return self._free.pop(i)[:nbytes]
-        return np.empty(max(nbytes, self._minimum, 1), dtype=np.uint8)[:nbytes]
+        return direct_io_array(max(nbytes, self._minimum, 1))[:nbytes]  # the source reader reads into it directly
 
     def give(self, buf: np.ndarray) -> None:
-        base = buf if buf.base is None else buf.base  # numpy's views name the array that owns the memory
+        base = buf.base if isinstance(buf.base, np.ndarray) else buf  # a view names the array it was cut from
         with self._lock:
             self._free.append(base)
             self._free.sort(key=lambda b: b.size)

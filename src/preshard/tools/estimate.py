@@ -26,7 +26,6 @@ falls below its burst rate, and other jobs arriving during the run.
 from __future__ import annotations
 
 import gc
-import mmap
 import os
 import shutil
 import tempfile
@@ -40,6 +39,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from preshard.format.fileio import DirectIOBuffer
 from preshard.sources.reader import cached_bytes
 
 PROBE_BYTES = 64 << 20
@@ -152,13 +152,13 @@ def probe(read_from: Path | None, write_in: Path | None, nbytes: int = PROBE_BYT
     """Measure the rates the estimate needs; nothing is left behind. `read_from`: the largest input file (read with
     O_DIRECT, which goes to the device whatever is cached); `write_in`: the output's folder (a temporary file,
     written with O_DIRECT and fsynced, then removed)."""
-    buffer = mmap.mmap(-1, nbytes)  # page-aligned, as O_DIRECT needs
+    buffer = DirectIOBuffer(nbytes)  # aligned, as O_DIRECT needs, in the converter's kind of memory
     try:
-        view = memoryview(buffer)
+        view = buffer.view
         read_rate = _direct_read(read_from, view) if read_from is not None else None
         write_rate = _direct_write(write_in, view) if write_in is not None else None
         view[:] = os.urandom(PROBE_BLOCK) * (nbytes // PROBE_BLOCK) + os.urandom(nbytes % PROBE_BLOCK)
-        source = np.frombuffer(buffer, dtype=np.uint8)
+        source = buffer.array
         target = np.empty(nbytes, dtype=np.uint8)
         np.copyto(target, source)  # both buffers faulted in first: the pipeline's buffers are reused, so are these
         start = time.perf_counter()
