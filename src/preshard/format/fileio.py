@@ -26,8 +26,7 @@ class DirectIOBuffer:
 
     Why: a direct transfer reaches the device in requests of as many physically contiguous bytes as one bio's
     page segments hold, up to the queue's limit. From 4 KiB pages that is 512 KiB once physical memory is
-    fragmented (as on the development VM after a few
-    conversions); from 2 MiB pages it is the limit (4 MiB on the
+    fragmented (as on the development VM after a few conversions); from 2 MiB pages it is the limit (4 MiB on the
     development VM's virtio disk). Measured there with `benchmarks/bench_io.py --size-gib 3 --reps 3`: a cold
     O_DIRECT read at 1.3-1.8 s into huge pages, 2.9-4.2 s into 4 KiB ones; writes 7.3-8.6 s against 8.4-10.1 s
     (and `cp` + `sync` 12.6-14.1 s), up to twice as fast where the 4 KiB pages were fragmented. Python's
@@ -36,17 +35,15 @@ class DirectIOBuffer:
     """
 
     def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
         flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
         kwargs = {"flags": flags} if flags else {}
         self._map = mmap.mmap(-1, nbytes + HUGE_PAGE, **kwargs)  # room to start at a huge page boundary
-        address = np.frombuffer(self._map, dtype=np.uint8, count=1).ctypes.data
-        start = -address % HUGE_PAGE
-        if hasattr(self._map, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
-            try:
-                self._map.madvise(mmap.MADV_HUGEPAGE, start, nbytes - nbytes % mmap.PAGESIZE or mmap.PAGESIZE)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            try:  # the whole mapping: the slack around the buffer is never touched, so it costs nothing
+                self._map.madvise(mmap.MADV_HUGEPAGE)
             except OSError:  # a kernel without transparent huge pages: 4 KiB pages it is
                 pass
+        start = -np.frombuffer(self._map, dtype=np.uint8, count=1).ctypes.data % HUGE_PAGE
         self.view: memoryview | None = memoryview(self._map)[start : start + nbytes]
         self.array: np.ndarray | None = np.frombuffer(self.view, dtype=np.uint8)
 

@@ -60,7 +60,7 @@ class BufferPool:
     Thread-safe: the converter takes buffers on its reader and slicing threads and gives them back from its
     writers. `keep` free buffers (the largest) are kept; new ones get at least `minimum` bytes so that they
     fit any later band, in huge pages where the kernel has them (`DirectIOBuffer`: an O_DIRECT read into 4 KiB
-    pages reaches the device in 512 KiB requests, a quarter of the speed of reading into huge pages).
+    pages reaches the device in requests as small as 512 KiB, at half the speed of reading into huge pages).
     """
 
     def __init__(self, keep: int = 3, minimum: int = 0) -> None:
