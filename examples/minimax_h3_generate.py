@@ -61,7 +61,7 @@ def _tiny_checkpoint(args: argparse.Namespace, rank: int) -> Path:
     from preshard import convert_checkpoint
     from preshard.examples.minimax_h3 import save_checkpoint
     from preshard.examples.minimax_h3_pipeline import build_transformer
-    from preshard.runtime.devices import init_rank_device
+    from preshard import init_rank_device
 
     init_rank_device(args.device)  # the process group load_sharded will use (torchrun's environment)
     message: list = [None, None]  # [checkpoint, error]

@@ -1,4 +1,5 @@
-"""The README's model table: every family preshard shards, at its published size, from `preshard plan`.
+"""The model table of docs/models-and-plans.md: every family preshard shards, at its published size, from
+`preshard plan`.
 
 For each public checkpoint in `preshard.examples.published` (the config it publishes, and where that comes from),
 the model's real safetensors headers are written over holes into a temporary folder (every tensor at full shape,
@@ -9,7 +10,7 @@ the planner's 20 % headroom free on 24, 32, 80 and 141 GiB devices (CP ranks com
 weights), and whether a CP mesh can load. A class with no plan yet gets a row saying so; rerun after adding one.
 
     python scripts/memory_table.py                      # print the table (markdown)
-    python scripts/memory_table.py --readme README.md   # rewrite the table between its markers in README.md
+    python scripts/memory_table.py --doc docs/models-and-plans.md   # rewrite the table between its markers
     python scripts/memory_table.py --groups             # and each class's parameters by sharded group
 
 Needs diffusers; about a minute on a loaded 2-core machine (building each model on the meta device dominates).
@@ -138,7 +139,7 @@ def groups_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def write_readme(path: Path, text: str) -> None:
+def write_doc(path: Path, text: str) -> None:
     readme = path.read_text()
     pattern = re.compile(re.escape(START) + r".*?" + re.escape(END), re.S)
     if not pattern.search(readme):
@@ -148,7 +149,7 @@ def write_readme(path: Path, text: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--readme", type=Path, help="rewrite the table between its markers in this file")
+    parser.add_argument("--doc", type=Path, help="rewrite the table between its markers in this file")
     parser.add_argument("--groups", action="store_true", help="also print each class's parameters by group")
     parser.add_argument("--only", nargs="+", metavar="NAME", help="only these models (as the table names them)")
     args = parser.parse_args(argv)
@@ -168,8 +169,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{1 - HEADROOM:.0%} of device memory",
         file=sys.stderr,
     )
-    if args.readme:
-        write_readme(args.readme, text)
+    if args.doc:
+        write_doc(args.doc, text)
 
 
 if __name__ == "__main__":

@@ -51,14 +51,14 @@ def test_version_on_both_entry_points():
     assert proc.returncode == 0 and __version__ in proc.stdout
 
 
-def test_exit_codes_are_in_every_help_and_in_the_readme():
+def test_exit_codes_are_in_every_help_and_in_the_cli_manual():
     for args in ([], ["convert"], ["inspect"], ["verify"], ["plan"], ["demo"]):
         run = cli_runner().invoke(main, [*args, "--help"])
         assert run.exit_code == 0 and EXIT_CODES in " ".join(run.stdout.split()), (args, run.stdout)
     run = cli_runner().invoke(convert_checkpoint_command, ["-h"])
     assert EXIT_CODES in " ".join(run.stdout.split())
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("### Exit status") :]
+    manual = (ROOT / "docs" / "cli-and-hub.md").read_text()
+    section = manual[manual.index("### Exit status") :]
     for code in ("0", "1", "2", "130", "143"):
         assert re.search(rf"\|\s*`?{code}`?\s*\|", section), code
 

@@ -1,6 +1,6 @@
 """The built-in plans at the published sizes, from real safetensors headers over holes (no data, no disk): each
 family's TP degrees, and its weights per rank at every one of them equal to the replicated tensors plus 1/T of the
-sharded ones, are what the README's model table says (its rows come from scripts/memory_table.py)."""
+sharded ones, are what the model table of docs/models-and-plans.md says (its rows come from scripts/memory_table.py)."""
 
 from __future__ import annotations
 
@@ -42,4 +42,4 @@ def test_full_size_figures_are_the_readme_table_row(name, tmp_path):
         assert "modulation" not in row.groups
     else:  # the AdaLN-Zero projections, a quarter to a third of the weights, are sharded
         assert row.groups["modulation"] > 0.25 * row.params
-    assert memory_table.table([row]).splitlines()[-1] in (ROOT / "README.md").read_text()
+    assert memory_table.table([row]).splitlines()[-1] in (ROOT / "docs" / "models-and-plans.md").read_text()

@@ -1,7 +1,11 @@
-"""preshard: pre-shard a diffusion-transformer checkpoint for a TP x CP mesh, load each rank's shard."""
+"""preshard: pre-shard a diffusion-transformer checkpoint for a TP x CP mesh, load each rank's shard.
+
+The public API is exported here; the heavy parts (torch) are imported lazily, on first use, so the CLI starts fast.
+"""
 
 from __future__ import annotations
 
+from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 from preshard.errors import (
@@ -33,7 +37,10 @@ if TYPE_CHECKING:
     from preshard.format.manifest import Manifest, read_manifest
     from preshard.format.mesh import MeshSpec
     from preshard.format.plan import Plan
+    from preshard.runtime.devices import RankDevice, init_rank_device
     from preshard.runtime.load import load_sharded
+    from preshard.tools.reshard import reshard_checkpoint
+    from preshard.tools.unshard import unshard_checkpoint
     from preshard.tools.verify import VerifyResult, verify_checkpoint
 
 __all__ = [
@@ -54,6 +61,7 @@ __all__ = [
     "Plan",
     "PlanError",
     "PreshardError",
+    "RankDevice",
     "ResourceError",
     "SourceAccessError",
     "SourceError",
@@ -62,12 +70,20 @@ __all__ = [
     "UsageError",
     "VerifyResult",
     "WorkerError",
+    "__version__",
     "convert_checkpoint",
+    "init_rank_device",
     "load_sharded",
     "read_manifest",
+    "reshard_checkpoint",
+    "unshard_checkpoint",
     "verify_checkpoint",
 ]
-__version__ = "0.2.0"
+
+try:  # the one place the version is written is pyproject.toml; an installed package carries it in its metadata
+    __version__ = version("preshard")
+except PackageNotFoundError:  # the source tree on PYTHONPATH without an install
+    __version__ = "0+unknown"
 
 _LAZY = {
     "convert_checkpoint": "preshard.converter.convert",
@@ -77,6 +93,10 @@ _LAZY = {
     "MeshSpec": "preshard.format.mesh",
     "Plan": "preshard.format.plan",
     "verify_checkpoint": "preshard.tools.verify",
+    "reshard_checkpoint": "preshard.tools.reshard",
+    "unshard_checkpoint": "preshard.tools.unshard",
+    "init_rank_device": "preshard.runtime.devices",
+    "RankDevice": "preshard.runtime.devices",
     "VerifyResult": "preshard.tools.verify",
 }
 

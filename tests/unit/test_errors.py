@@ -45,7 +45,7 @@ def test_every_kind_is_a_preshard_error_and_its_builtin_category():
     internal = {"DamagedRecord"}  # never leaves a resume (converter/workdir.py catches it)
     internal.add("CollectiveRuleViolation")  # a bug caught by the collectives checker: a RuntimeError only
     assert not issubclass(errors.CollectiveRuleViolation, errors.PreshardError)
-    assert set(classes) == set(CATEGORIES) | {"PreshardError", "Interrupted"} | internal, "update CATEGORIES, README"
+    assert set(classes) == set(CATEGORIES) | {"PreshardError", "Interrupted"} | internal, "update CATEGORIES and docs"
     for name, category in CATEGORIES.items():
         cls = classes[name]
         error = cls("a  problem;\n the fix")
@@ -55,10 +55,10 @@ def test_every_kind_is_a_preshard_error_and_its_builtin_category():
     assert set(errors.__all__) == set(classes)
 
 
-def test_the_readme_documents_every_error():
-    readme = (PACKAGE.parents[1] / "README.md").read_text()
+def test_the_cli_manual_documents_every_error():
+    manual = (PACKAGE.parents[1] / "docs" / "cli-and-hub.md").read_text()
     for name in CATEGORIES:
-        assert f"`{name}`" in readme, name
+        assert f"`{name}`" in manual, name
 
 
 def test_no_error_class_outside_errors_py():
