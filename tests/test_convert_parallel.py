@@ -28,6 +28,7 @@ import torch
 from preshard.converter import convert as convert_module
 from preshard.converter import parallel
 from preshard.converter.convert import convert_checkpoint
+from preshard.converter.signals import command_scope
 from preshard.converter.workdir import JOURNAL_NAME, partial_dir
 from preshard.converter.writer import RecordFileWriter
 from preshard.errors import Interrupted, UsageError, WorkerError
@@ -168,9 +169,7 @@ def test_workers_with_a_cast_write_the_same_bytes(source, reference, tmp_path):
 
 
 def test_one_process_without_direct_io_writes_the_same_bytes(source, reference, tmp_path, monkeypatch):
-    from preshard.converter import writer
-
-    monkeypatch.setattr(writer, "DIRECT_IO", False)
+    monkeypatch.setenv("PRESHARD_DIRECT_IO", "0")  # read when each reader and writer is made
     out = tmp_path / "out"
     _convert(source, out)
     _assert_same_files(reference["tp4"], out)
@@ -210,7 +209,7 @@ def test_interrupted_conversion_resumes_with_any_number_of_workers(
     monkeypatch.setattr(convert_module, "SYNC_MIN_BYTES", 1)  # journal after every tensor
     hook = _interrupt_after(6, None, out) if first == 1 else _interrupt_after(4, first - 1, out)
     monkeypatch.setattr(convert_module, "_after_tensor_hook", hook)
-    with pytest.raises(Interrupted) as caught:
+    with pytest.raises(Interrupted) as caught, command_scope():  # the CLI's scope: signals stop at a safe point
         _convert(source, out, workers=first)
     assert caught.value.signal_number == signal.SIGINT
     assert not out.exists()

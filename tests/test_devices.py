@@ -316,7 +316,6 @@ def test_xla_refuses_groups_that_do_not_partition_the_world(monkeypatch):
 def xla_world(monkeypatch):
     """4 ranks on a fake TPU; this rank is global rank `me` of whatever group `group_ranks` returns."""
     fake = FakeXla(monkeypatch, world_size=4, platform="TPU")
-    monkeypatch.setattr(C, "_XLA_REPLICA_GROUPS", {})
     monkeypatch.setattr(C, "_is_xla", lambda tensor: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
     C.check_backend_supports(
@@ -360,11 +359,10 @@ def test_xla_ring_pass_is_one_permute_with_the_same_pairs_on_every_rank(monkeypa
 
 def test_xla_cp_gather_finds_its_groups_for_any_axis_order(monkeypatch):
     """With ring the faster axis, a cp group is [0, 2, 1, 3] in mesh order, but the process group (and so the
-    collective) knows its ranks sorted: the replica groups are registered sorted, and found."""
+    collective) knows its ranks sorted: the replica groups are derived sorted, and agree with the mesh's."""
     from preshard.format.mesh import MeshSpec
 
     fake = FakeXla(monkeypatch, world_size=8, platform="TPU")
-    monkeypatch.setattr(C, "_XLA_REPLICA_GROUPS", {})
     monkeypatch.setattr(C, "_is_xla", lambda tensor: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 8)
     mesh = MeshSpec.build(tp=2, ring=2, ulysses=2, order="tp,ulysses,ring")
@@ -376,9 +374,9 @@ def test_xla_cp_gather_finds_its_groups_for_any_axis_order(monkeypatch):
     assert (op, kwargs["groups"]) == ("all_gather", [[0, 1, 2, 3], [4, 5, 6, 7]])
 
 
-def test_xla_collective_over_an_unregistered_group_raises(monkeypatch, xla_world):
+def test_xla_collective_over_a_group_of_no_mesh_axis_raises(monkeypatch, xla_world):
     _as(monkeypatch, [0, 3])
-    with pytest.raises(C.CollectiveRuleViolation, match="check_backend_supports"):
+    with pytest.raises(C.CollectiveRuleViolation, match="no group of a mesh axis"):
         C.all_reduce_sum(torch.ones(1), None)
     assert not xla_world.calls
 

@@ -37,7 +37,7 @@ from clitools import assert_one_line, console_script
 from multiproc import init_gloo, run_ranks
 from torch import nn
 
-from preshard import MeshSpec, convert_checkpoint, load_sharded, verify_checkpoint
+from preshard import MeshSpec, command_scope, convert_checkpoint, load_sharded, verify_checkpoint
 from preshard.cli import convert_checkpoint_command, main
 from preshard.converter import convert as convert_module
 from preshard.converter import writer as writer_module
@@ -376,7 +376,7 @@ def test_a_signal_during_the_resume_check_stops_it_at_the_next_record(small_sour
     monkeypatch.setattr(writer_module, "pread_into", pread_then_signal)
     written: list[str] = []
     monkeypatch.setattr(convert_module, "_after_tensor_hook", written.append)
-    with pytest.raises(Interrupted):
+    with pytest.raises(Interrupted), command_scope():  # the scope the CLI enters: signals stop at a safe point
         convert_checkpoint(source, out, tp=2, plan=plan, progress=False)
     assert reads_after_signal and reads_after_signal[0] <= 3, reads_after_signal  # the rest of one record at most
     assert written == [] and tree_hash(partial_of(out)) == before  # nothing lost: the journal is intact

@@ -34,6 +34,7 @@ from preshard.errors import (
 
 if TYPE_CHECKING:
     from preshard.converter.convert import convert_checkpoint
+    from preshard.converter.signals import command_scope
     from preshard.format.manifest import Manifest, read_manifest
     from preshard.format.mesh import MeshSpec
     from preshard.format.plan import Plan
@@ -71,6 +72,7 @@ __all__ = [
     "VerifyResult",
     "WorkerError",
     "__version__",
+    "command_scope",
     "convert_checkpoint",
     "init_rank_device",
     "load_sharded",
@@ -87,6 +89,7 @@ except PackageNotFoundError:  # the source tree on PYTHONPATH without an install
 
 _LAZY = {
     "convert_checkpoint": "preshard.converter.convert",
+    "command_scope": "preshard.converter.signals",
     "load_sharded": "preshard.runtime.load",
     "read_manifest": "preshard.format.manifest",
     "Manifest": "preshard.format.manifest",

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import errno
 import functools
-import gc
 import json
 import signal
 import sys
@@ -27,7 +26,7 @@ from contextlib import contextmanager
 import click
 
 from preshard import __version__
-from preshard.converter.signals import interruption, raising_signals, received_signal
+from preshard.converter.signals import command_scope, interruption, received_signal
 from preshard.errors import Interrupted, PreshardError, ResourceError
 
 EXIT_PROBLEMS, EXIT_USAGE = 1, 2
@@ -86,17 +85,12 @@ class _OneLineErrors:
         program = args is None
         if program:  # the dry runs count this process's own start-up, which the real command pays again
             kwargs.setdefault("obj", {})["program"] = True
-            # The process runs this one command: no cyclic collections (importing torch triggers dozens, each
-            # walking every object made so far: ~0.3 CPU s of a start-up; the commands make no cycles to speak of).
-            gc.disable()
         try:
-            with raising_signals(ignore_after=program):
+            # Signals as one line, the cyclic GC paused: the one scoped context a command runs in.
+            with command_scope(program=program):
                 return self._main_one_line(args, *rest, **kwargs)
         except Interrupted as exc:  # a signal whose exception was swallowed: the command must not succeed
             _fail(str(exc), 128 + exc.signal_number)
-        finally:
-            if program:  # the process ends now: its last collections need not walk torch's objects (~1 s of exit)
-                gc.freeze()
 
     def _main_one_line(self, *args, **kwargs):
         try:

@@ -10,7 +10,6 @@ import copy
 
 import pytest
 import torch
-from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm
 from torch import nn
 
 from preshard.errors import PlanError
@@ -21,11 +20,18 @@ from preshard.runtime.tp import ParallelNorm, parallelize_norms
 WIDTH = 24
 
 
+def _diffusers_rms_norm() -> type[nn.Module]:
+    """diffusers' RMSNorm, imported when a test needs it (not at collection: the unit tier imports no diffusers)."""
+    from diffusers.models.normalization import RMSNorm
+
+    return RMSNorm
+
+
 def _norm(kind: str, affine: bool, dtype: torch.dtype) -> nn.Module:
     g = torch.Generator().manual_seed(3)
     norm = nn.RMSNorm(WIDTH, eps=None, elementwise_affine=affine) if kind == "torch" else None
     if kind == "diffusers":
-        norm = DiffusersRMSNorm(WIDTH, eps=1e-6, elementwise_affine=affine)
+        norm = _diffusers_rms_norm()(WIDTH, eps=1e-6, elementwise_affine=affine)
     if affine:
         with torch.no_grad():
             norm.weight.copy_(1 + 0.3 * torch.randn(WIDTH, generator=g))
@@ -83,7 +89,7 @@ def test_parallelize_norms_switches_the_class_keeps_isinstance_and_refuses_what_
             super().__init__()
             self.to_q = nn.Linear(8, WIDTH)
             self.norm_q = nn.RMSNorm(WIDTH)
-            self.norm_k = DiffusersRMSNorm(WIDTH, eps=1e-6, elementwise_affine=False)
+            self.norm_k = _diffusers_rms_norm()(WIDTH, eps=1e-6, elementwise_affine=False)
             self.other = nn.LayerNorm(WIDTH)
 
     plan = Plan.from_dict(
@@ -97,7 +103,7 @@ def test_parallelize_norms_switches_the_class_keeps_isinstance_and_refuses_what_
     described = parallelize_norms(block, plan, None, 0, 1)
     assert sorted(described) == ["norm_k", "norm_q"]
     assert isinstance(block.norm_q, nn.RMSNorm) and isinstance(block.norm_q, ParallelNorm)
-    assert isinstance(block.norm_k, DiffusersRMSNorm) and isinstance(block.norm_k, ParallelNorm)
+    assert isinstance(block.norm_k, _diffusers_rms_norm()) and isinstance(block.norm_k, ParallelNorm)
     x = torch.randn(3, WIDTH)
     assert torch.allclose(block.norm_q(x), reference.norm_q(x), atol=1e-6)
     assert torch.allclose(block.norm_k(x), reference.norm_k(x), atol=1e-6)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import hashlib
 import json
 import threading
@@ -346,7 +345,6 @@ def write_conversion(
     coord = coordinator or Coordinator()
     with ExitStack() as stack:
         stack.enter_context(_resources_as_errors("converting"))
-        stack.enter_context(_gc_paused())
         error = None
         if coord.rank == 0:
             try:
@@ -383,20 +381,6 @@ def _resources_as_errors(doing: str) -> Iterator[None]:
         if resource is None:
             raise
         raise resource from None
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector while converting (the pipeline makes no cycles to speak of;
-    the imports on the background thread make many objects, and each full collection walks all of torch's:
-    0.7 CPU s of the diffusers import and model build). Restored at the end."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 class _Background:

@@ -24,6 +24,7 @@ stopped, and the output is committed only when every process has finished its fi
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import ctypes
 import multiprocessing
@@ -32,14 +33,14 @@ import signal
 import sys
 import tempfile
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from multiprocessing import connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from preshard import errors
-from preshard.errors import Interrupted, PreshardError, WorkerError
+from preshard.errors import DeviceError, Interrupted, PreshardError, WorkerError
 
 if TYPE_CHECKING:
     from preshard.format.manifest import Manifest
@@ -48,11 +49,19 @@ if TYPE_CHECKING:
 # passed in (run_workers' `write`), so this module never imports convert.py, which imports it.
 WriteConversion = Callable[..., object]
 
-# How long one process waits for the others at an exchange (the lowest rank re-checking a large partial
-# conversion before the first one, a slow host); PRESHARD_WORKER_TIMEOUT_S overrides it.
-TIMEOUT_S = float(os.environ.get("PRESHARD_WORKER_TIMEOUT_S", 1800))
-_ACTIVE: Coordinator | None = None  # set by main(): convert_checkpoint then runs as one of torchrun's processes
+TIMEOUT_S = 1800.0  # the default of `worker_timeout`
 WORKER_RANK: int | None = None  # in a process started by run_workers: its rank (tests act on one worker)
+# The torchrun job this thread converts in: set only inside `torchrun_job()`'s block, which the torchrun entry
+# (`run_under_torchrun`) holds around the one conversion it runs; a context variable, so nothing outside the block
+# (another thread, a later call) sees it.
+_JOB: contextvars.ContextVar[Coordinator | None] = contextvars.ContextVar("preshard_torchrun_job", default=None)
+
+
+def worker_timeout() -> float:
+    """How long one process waits for the others at an exchange (the lowest rank re-checking a large partial
+    conversion before the first one, a slow host): 30 minutes, or `PRESHARD_WORKER_TIMEOUT_S`, read when the
+    workers' group is made (never at import)."""
+    return float(os.environ.get("PRESHARD_WORKER_TIMEOUT_S", TIMEOUT_S))
 
 
 class Coordinator:
@@ -110,8 +119,9 @@ class Coordinator:
 
 
 def active_coordinator() -> Coordinator | None:
-    """The coordinator of the torchrun job this process runs in (via `main`), if any."""
-    return _ACTIVE
+    """The coordinator of the torchrun job whose `torchrun_job()` block this thread is in, if any: within it,
+    `convert_checkpoint` converts as this process's part of the job."""
+    return _JOB.get()
 
 
 def owned_files(tp: int, world: int, rank: int) -> list[int]:
@@ -194,7 +204,9 @@ def _local_worker(
 
         outcome = options.pop("outcome")
         store = dist.FileStore(store_path, world)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT_S))
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=worker_timeout())
+        )
         try:
             coordinator = Coordinator(rank, world)
             write(
@@ -278,6 +290,9 @@ def run_workers(
                         procs[rank].join(10)
                         outcomes[rank] = ("died", procs[rank].exitcode)
                     conn.close()
+        except BaseException:  # KeyboardInterrupt outside a command scope: the workers stop at their next safe point
+            stop_signal.value = stop_signal.value or int(signal.SIGINT)
+            raise
         finally:
             for proc in procs:
                 proc.join(30)
@@ -319,10 +334,37 @@ def _launcher_error(outcomes: dict[int, tuple[str, Any]], signal_number: int | N
 # torchrun: python -m preshard.torchrun_convert SRC OUT --tp 8 ... (the CLI layer calls this)
 
 
+@contextlib.contextmanager
+def torchrun_job() -> Iterator[Coordinator]:
+    """Join the gloo group of the torchrun job this process is part of; within the block, `convert_checkpoint`
+    (in this thread) shares the conversion with the job's other processes through the coordinator yielded. The
+    group is left when the block ends, whatever happens.
+
+    Raises:
+        DeviceError: the process was not started by torchrun (no RANK/WORLD_SIZE in its environment).
+    """
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise DeviceError(
+            "this conversion runs under torchrun (e.g. torchrun --nproc-per-node 4 -m preshard.torchrun_convert "
+            "SRC OUT --tp 8); on one host, convert-checkpoint SRC OUT --tp 8 --workers 4 does the same"
+        )
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", timeout=timedelta(seconds=worker_timeout()))
+    coordinator = Coordinator(rank, world)
+    token = _JOB.set(coordinator)
+    try:
+        yield coordinator
+    finally:
+        _JOB.reset(token)
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
 def run_under_torchrun(convert: Callable[[], object], prog: str) -> None:
-    """Run `convert` (one conversion) as this process's part of a torchrun job: join the gloo group, make the
-    job's coordinator active so `convert_checkpoint` shares the work, and leave the group whatever happens."""
-    global _ACTIVE
+    """Run `convert` (one conversion) as this process's part of a torchrun job (`torchrun_job`), with one summary
+    line for the job, from the lowest rank."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         print(
             f"error: {prog} runs under torchrun (e.g. torchrun --nproc-per-node 4 -m preshard.torchrun_convert "
@@ -330,20 +372,13 @@ def run_under_torchrun(convert: Callable[[], object], prog: str) -> None:
             file=sys.stderr,
         )
         sys.exit(2)
-    import torch.distributed as dist
-
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT_S))
-    _ACTIVE = Coordinator(rank, world)
-    try:
-        with contextlib.ExitStack() as stack:
-            if rank != 0:  # one summary line for the job, from the lowest rank
-                stack.enter_context(contextlib.redirect_stdout(open(os.devnull, "w")))  # noqa: SIM115
-            convert()
-    finally:
-        _ACTIVE = None
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
+    with torchrun_job() as coordinator, contextlib.ExitStack() as stack:
+        if coordinator.rank != 0:
+            stack.enter_context(contextlib.redirect_stdout(open(os.devnull, "w")))  # noqa: SIM115
+        convert()
 
 
-__all__ = ["Coordinator", "active_coordinator", "owned_files", "run_under_torchrun", "run_workers"]
+__all__ = [
+    "Coordinator", "active_coordinator", "owned_files", "run_under_torchrun", "run_workers", "torchrun_job",
+    "worker_timeout",
+]  # fmt: skip

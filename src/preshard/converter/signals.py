@@ -7,9 +7,14 @@ the partial output consistent for a resume. A second signal of the same kind fal
 that was there before, so a stuck process can still be stopped.
 
 Before and after the writing (planning, waiting for the output's lock, printing the summary) nothing is
-half-written, so there a signal may stop the command at once: under `raising_signals` (the CLI's) both
-raise `Interrupted`, so the command ends with one line and 130/143 instead of a KeyboardInterrupt
-traceback or a silent death by SIGTERM.
+half-written, so there a signal may stop the command at once: under `raising_signals` both raise `Interrupted`,
+so the command ends with one line and 130/143 instead of a KeyboardInterrupt traceback or a silent death by SIGTERM.
+
+None of this is a side effect of a library call. The caller enters `command_scope` (the CLI does, for every
+command; a Python caller may, `with preshard.command_scope(): convert_checkpoint(...)`), and only inside it do the
+converter's `deferred_signals` blocks take the signals over. Outside it a library call leaves the handlers as they
+are: Ctrl-C raises KeyboardInterrupt wherever it lands, as in any Python library (a conversion stopped so is
+resumed as any interrupted one: a resume re-checks every record it keeps).
 
 A signal is never lost. An exception raised by a handler can be swallowed by the code it lands in (numpy's
 import, run by `import torch`, catches it; so does any `except Exception`), so the raising handler also
@@ -52,6 +57,19 @@ class StopFlag:
             )
 
 
+class _DeferringHandler:
+    """`deferred_signals`' handler: records the signal in the flag; asked twice, acts as the handler from before."""
+
+    def __init__(self, flag: StopFlag, previous: dict[int, object]) -> None:
+        self.flag, self.previous = flag, previous
+
+    def __call__(self, signum, frame) -> None:
+        if self.flag.signal_number == signum:  # asked twice: stop now, the way the process would have without us
+            signal.signal(signum, self.previous[signum])
+            signal.raise_signal(signum)
+        self.flag.signal_number = signum
+
+
 class _RaisingHandler:
     """`raising_signals`' handler: raises `Interrupted`, and remembers the signal in case the exception is swallowed."""
 
@@ -84,25 +102,19 @@ def _in_main_thread() -> bool:
 
 @contextlib.contextmanager
 def deferred_signals() -> Iterator[StopFlag]:
-    """Within the block, SIGINT/SIGTERM set the returned flag (only from the main thread; elsewhere a no-op).
-
-    A signal the process ignores (a background job's SIGINT, `nohup`) stays ignored.
+    """Within the block, SIGINT/SIGTERM set the returned flag, where the caller entered `command_scope` (its
+    handlers are in place) and only from the main thread; elsewhere the handlers are left alone and the flag never
+    set. A signal the process ignores (a background job's SIGINT, `nohup`) stays ignored.
     """
     flag = StopFlag()
     if not _in_main_thread():
         yield flag
         return
-    previous = {}
-
-    def handler(signum, frame) -> None:
-        if flag.signal_number == signum:  # asked twice: stop now, the way the process would have without us
-            signal.signal(signum, previous[signum])
-            signal.raise_signal(signum)
-        flag.signal_number = signum
-
+    previous: dict[int, object] = {}
+    handler = _DeferringHandler(flag, previous)
     for signum in _NAMES:
         old = signal.getsignal(signum)
-        if old is not signal.SIG_IGN:
+        if isinstance(old, (_RaisingHandler, _DeferringHandler)):  # the caller's scope, or an outer deferral
             previous[signum] = signal.signal(signum, handler)
         if isinstance(old, _RaisingHandler) and old.received == signum and flag.signal_number is None:
             flag.signal_number = signum  # received before, and its exception swallowed: stop at the first check
@@ -148,3 +160,31 @@ def raising_signals(ignore_after: bool = False) -> Iterator[None]:
                 signal.signal(signum, signal.SIG_IGN)
         for signum, old in previous.items() if not ignore_after else ():
             signal.signal(signum, old)
+
+
+@contextlib.contextmanager
+def command_scope(program: bool = False) -> Iterator[None]:
+    """The one scoped context in which a command changes process-wide settings; the CLI enters it for every command.
+
+    Within it SIGINT and SIGTERM raise `Interrupted` (`raising_signals`), and the converter's writing phases defer
+    them to their next safe point (`deferred_signals`), so a command ends with one line and 130/143; the cyclic
+    garbage collector is paused (`preshard.process.gc_paused`). Everything is restored when the block ends.
+
+    Args:
+        program: the process runs this one command and ends after it: signals stay ignored after the block (the
+            outcome is printed, a signal during the interpreter's shutdown would only garble it), and the objects
+            made so far are frozen out of the last collections (`gc.freeze`: about 1 s of exit with torch loaded).
+
+    Raises:
+        Interrupted: a signal arrived in the block whose exception was swallowed where it landed.
+    """
+    import gc
+
+    from preshard.process import gc_paused
+
+    try:
+        with gc_paused(), raising_signals(ignore_after=program):
+            yield
+    finally:
+        if program:
+            gc.freeze()

@@ -28,14 +28,12 @@ import numpy as np
 import xxhash
 
 from preshard.errors import CorruptCheckpointError
-from preshard.format.fileio import HASH_BLOCK, HUGE_PAGE, DirectIOBuffer, pread_into
+from preshard.format.fileio import HASH_BLOCK, HUGE_PAGE, DirectIOBuffer, direct_io_enabled, pread_into
 from preshard.format.layout import ChunkRecord
 from preshard.format.manifest import file_digest
 
 ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and memory: every block size in use is a divisor
 STAGE_BYTES = 8 << 20  # per writer; `stage_bytes` lowers it when many files are written at once
-# PRESHARD_DIRECT_IO=0 writes through the page cache (what a file system without O_DIRECT gets anyway).
-DIRECT_IO = os.environ.get("PRESHARD_DIRECT_IO", "1") != "0"
 
 
 def stage_bytes(files: int, total: int = 64 << 20) -> int:
@@ -52,7 +50,7 @@ class RecordFileWriter:
         self.path = path
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         self.direct_fd = -1
-        if DIRECT_IO if direct is None else direct:
+        if direct_io_enabled() if direct is None else direct:  # PRESHARD_DIRECT_IO=0: through the page cache
             try:
                 self.direct_fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | getattr(os, "O_DIRECT", 0))
             except OSError:

@@ -59,6 +59,13 @@ class DirectIOBuffer:
             pass
 
 
+def direct_io_enabled() -> bool:
+    """Whether readers and writers use O_DIRECT by default: yes, unless `PRESHARD_DIRECT_IO=0` (then everything goes
+    through the page cache, as on a file system without O_DIRECT). Read when a reader or writer is made, never at
+    import, so a caller may set it at any time; a `direct=` argument overrides it."""
+    return os.environ.get("PRESHARD_DIRECT_IO", "1") != "0"
+
+
 def direct_io_array(nbytes: int) -> np.ndarray:
     """A flat uint8 array of `nbytes` in a `DirectIOBuffer` (unmapped with the array's last view)."""
     return DirectIOBuffer(nbytes).array

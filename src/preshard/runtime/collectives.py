@@ -12,10 +12,12 @@ own replica group, and turns batch_isend_irecv into one collective_permute per p
 rank-dependent order. Instead each collective calls torch_xla's own primitive with the replica groups of
 the whole mesh axis, identical on every rank: `xm.all_reduce(groups=)`, `xm.all_gather(groups=)`,
 `xm.all_to_all(groups=)`, and for a ring pass one `xm.collective_permute` whose pairs cover every ring of
-the axis in one global order. Those replica groups come from `check_backend_supports`, which the runtime
-calls once after building the mesh's groups; it also refuses, in one line, a mesh the backend cannot run
-(PJRT CPU across processes, torch_xla seeing another world size, Neuron's all-to-all over strided ranks).
-A collective over a group it was not told about raises rather than guess. Untested on TPU/GPU/Neuron.
+the axis in one global order. Those replica groups follow from the collective's own group and the world size
+(`axis_partition`: on a mesh, the groups of an axis are translates of one another), so no state is kept between
+calls. `check_backend_supports`, which the runtime calls once after building the mesh's groups, refuses in one
+line a mesh the backend cannot run (PJRT CPU across processes, torch_xla seeing another world size, Neuron's
+all-to-all over strided ranks, groups that are not such a partition); a collective over a group that is not one
+of a mesh axis raises rather than guess. Untested on TPU/GPU/Neuron.
 
 Elsewhere (gloo, nccl) every collective is one of torch's functional collectives (`torch.ops._c10d_functional`):
 an op that returns a new tensor and a `wait_tensor` that completes it. torch.compile traces them into the graph
@@ -44,6 +46,7 @@ __all__ = [
     "all_gather_equal",
     "all_reduce_sum",
     "all_to_all_equal",
+    "axis_partition",
     "check_backend_supports",
     "group_ranks",
     "PendingRingPass",
@@ -111,7 +114,6 @@ class NeuronRuleChecker:
 _ACTIVE: NeuronRuleChecker | None = None
 
 # xla: group ranks (in group order) -> every group of that mesh axis, as torch_xla's replica groups.
-_XLA_REPLICA_GROUPS: dict[tuple[int, ...], list[list[int]]] = {}
 # The mesh axis whose groups carry all-to-all (Ulysses): Neuron needs them contiguous and ascending.
 _ALL_TO_ALL_AXIS = "ulysses"
 
@@ -316,9 +318,10 @@ def check_backend_supports(
     """Call once per rank after building the mesh's groups: refuse, in one line, a mesh the backend cannot run.
 
     `axis_groups` maps each mesh axis ("tp", "ring", "ulysses", "cp") to every group of that axis, each in
-    group-rank order (`MeshSpec.groups(axis)`). On xla this also records them as torch_xla's replica groups,
-    which every XLA collective needs whole, identical on every rank. `neuron`: apply Neuron's rule that
-    all-to-all groups are contiguous ascending ranks (the default axis order keeps to it).
+    group-rank order (`MeshSpec.groups(axis)`). On xla every axis's groups must be what each collective will
+    derive as torch_xla's replica groups (`axis_partition`), which it needs whole, identical on every rank.
+    `neuron`: apply Neuron's rule that all-to-all groups are contiguous ascending ranks (the default axis order
+    keeps to it).
     """
     partitions = {axis: [list(g) for g in groups] for axis, groups in axis_groups.items()}
     multi = {axis: groups for axis, groups in partitions.items() if any(len(g) > 1 for g in groups)}
@@ -350,12 +353,38 @@ def check_backend_supports(
                 f"XLA replica groups must split ranks 0..{world_size - 1} into equal groups, but the {axis} "
                 f"groups are {groups}; use a mesh whose axes multiply to the world size"
             )
-    for groups in multi.values():
+    for axis, groups in multi.items():
         # A process group's ranks are in ascending order (`dist.new_group` sorts them), and so is what its
-        # collectives gather: the replica groups must be too, or a cp group of a non-default order is not found.
-        ordered = [sorted(g) for g in groups]
-        for g in ordered:
-            _XLA_REPLICA_GROUPS[tuple(g)] = ordered
+        # collectives gather: the replica groups are too, whatever the axis order.
+        ordered = sorted(sorted(g) for g in groups)
+        if axis_partition(ordered[0], world_size) != ordered:
+            raise DeviceError(
+                f"XLA replica groups must be translates of one another, as a mesh axis's are, but the {axis} "
+                f"groups are {groups}; use a mesh built by MeshSpec"
+            )
+
+
+def axis_partition(ranks: Sequence[int], world_size: int) -> list[list[int]] | None:
+    """Every group of the mesh axis that `ranks` is a group of, each sorted, in order; None if `ranks` is not a
+    group of any mesh axis over `world_size` ranks.
+
+    On a mesh (rank = the sum of each axis's coordinate times its stride) the groups of one axis are the
+    translates of any one of them by the other axes' offsets; taking the smallest rank not yet covered as the
+    next group's start finds them all, and fails (a rank past the world, or covered twice) for anything else.
+    """
+    base = sorted(ranks)
+    offsets = [r - base[0] for r in base]
+    groups: list[list[int]] = []
+    covered: set[int] = set()
+    for start in range(world_size):
+        if start in covered:
+            continue
+        group = [start + o for o in offsets]
+        if group[-1] >= world_size or covered.intersection(group):
+            return None
+        covered.update(group)
+        groups.append(group)
+    return groups if base in groups else None
 
 
 def _is_xla(tensor: torch.Tensor) -> bool:
@@ -381,12 +410,10 @@ def _replica_groups(ranks: list[int], op: str) -> list[list[int]]:
             f"{op}: torch_xla sees {xr.world_size()} devices (xr.world_size()) but the process group has "
             f"{dist.get_world_size()} ranks; initialise it with init_method='xla://'"
         )
-    groups = _XLA_REPLICA_GROUPS.get(tuple(ranks))
-    if groups is not None:
-        return groups
-    if sorted(ranks) == list(range(dist.get_world_size())):
-        return [list(ranks)]
-    raise CollectiveRuleViolation(
-        f"{op} over ranks {ranks} on xla: XLA needs every group of the mesh axis; call "
-        "collectives.check_backend_supports once after building the mesh groups"
-    )
+    groups = axis_partition(ranks, dist.get_world_size())
+    if groups is None:
+        raise CollectiveRuleViolation(
+            f"{op} over ranks {ranks} on xla: XLA needs every group of the mesh axis, and these ranks are no group "
+            "of a mesh axis; build the groups with MeshSpec.groups"
+        )
+    return groups

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import xxhash
 
-from preshard.format.fileio import HASH_BLOCK, byte_view, pread_into
+from preshard.format.fileio import HASH_BLOCK, byte_view, direct_io_enabled, pread_into
 from preshard.sources.safetensors_file import TensorEntry
 
 if TYPE_CHECKING:  # local.py opens a reader: only the type comes from there
@@ -48,8 +48,6 @@ if TYPE_CHECKING:  # local.py opens a reader: only the type comes from there
 ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and memory
 DIRECT_MIN_BYTES = 1 << 20  # smaller reads go through the page cache
 DIRECT_PARTS, DIRECT_PART_BYTES = 4, 4 << 20  # a direct read is split in up to 4 concurrent reads of >= 4 MiB
-# PRESHARD_DIRECT_IO=0 reads (and writes) through the page cache only.
-DIRECT_IO = os.environ.get("PRESHARD_DIRECT_IO", "1") != "0"
 EMPTY_PROOF = ""  # the proof of a tensor without bytes: nothing to read (its header is part of the job's key)
 
 
@@ -167,7 +165,7 @@ class SourceReader:
         self.files = {h.path: h for h in source.files}
         self.fds = {path: os.open(path, os.O_RDONLY) for path in self.files}
         self.direct_fds: dict[Path, int] = {}  # opened at the first direct read of each file
-        self._direct = (DIRECT_IO if direct is None else direct) and hasattr(os, "O_DIRECT")
+        self._direct = (direct_io_enabled() if direct is None else direct) and hasattr(os, "O_DIRECT")
         self._no_direct: set[Path] = set()  # files whose file system refuses O_DIRECT
         self.residency = _Residency()
         self.direct_bytes = 0  # how much came in with O_DIRECT (the rest: from the page cache)

@@ -25,7 +25,6 @@ falls below its burst rate, and other jobs arriving during the run.
 
 from __future__ import annotations
 
-import gc
 import os
 import shutil
 import tempfile
@@ -40,6 +39,7 @@ import numpy as np
 import xxhash
 
 from preshard.format.fileio import DirectIOBuffer
+from preshard.process import gc_paused
 from preshard.sources.reader import cached_bytes
 
 PROBE_BYTES = 64 << 20
@@ -113,19 +113,15 @@ class Estimate:
 
 
 def timed_check(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, float]:
-    """`fn(*args, **kwargs)` (planning with the model check) and its seconds, the cyclic GC paused as the converter
-    pauses it for its background check; plus the DCP import that thread also does."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
+    """`fn(*args, **kwargs)` (planning with the model check) and its seconds, the cyclic GC paused as the command's
+    scope pauses it for the conversion (`preshard.process.gc_paused`); plus the DCP import that the converter's
+    background thread also does."""
+    with gc_paused():
         start = time.perf_counter()
         result = fn(*args, **kwargs)
         import preshard.format.dcp_metadata  # noqa: F401
 
         return result, time.perf_counter() - start
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def process_age() -> float:
