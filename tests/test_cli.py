@@ -23,6 +23,8 @@ from preshard.cli import _hub_progress, convert_checkpoint_command, main
 from preshard.format.manifest import read_manifest
 from preshard.progress import Progress
 
+pytestmark = pytest.mark.xla_api  # a dependency API at its lower bound: the XLA tier runs it
+
 ROOT = Path(__file__).resolve().parents[1]
 EXIT_CODES = "Exit status: 0 ok, 1 verify found problems, 2 usage or input error, 130 interrupted (SIGINT), 143"
 

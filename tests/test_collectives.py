@@ -12,6 +12,8 @@ from multiproc import init_gloo, run_ranks
 
 from preshard.runtime import collectives as C
 
+pytestmark = pytest.mark.xla_api  # a dependency API at its lower bound: the XLA tier runs it
+
 
 def _gloo_entry(rank: int, world: int, fn: Callable[[int, int], Any]) -> Any:
     init_gloo()

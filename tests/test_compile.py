@@ -31,7 +31,7 @@ WORLD4 = [((2, 1, 2), "aot_eager")]
 CHECK_OP = "preshard.check_inputs"  # the cross-rank input check's custom op
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "all_to_all_single", "wait_tensor")
 # Compiling is slow on 2 busy cores (inductor ~90 s per rank when quiet, several minutes under load).
-pytestmark = pytest.mark.timeout(1800)
+pytestmark = [pytest.mark.timeout(1800), pytest.mark.xla_api]
 
 
 class _RecordingBackend:

@@ -36,6 +36,8 @@ from preshard.errors import PreshardError
 from preshard.format.manifest import read_manifest
 from preshard.units import human_bytes
 
+pytestmark = pytest.mark.xla_api  # a dependency API at its lower bound: the XLA tier runs it
+
 MIN_SEARCH_BYTES = 32  # chunks at least this long are also looked for by content in every data file
 
 

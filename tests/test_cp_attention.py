@@ -21,6 +21,8 @@ from multiproc import init_gloo, run_ranks
 from preshard.runtime import collectives as C
 from preshard.runtime import cp_attention as CPA
 
+pytestmark = pytest.mark.xla_api  # a dependency API at its lower bound: the XLA tier runs it
+
 WORLD = 8
 
 

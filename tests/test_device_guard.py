@@ -10,6 +10,8 @@ import torch
 from preshard.errors import DeviceError
 from preshard.examples.minimax_h3 import make_inputs, reference_forward, tiny_config
 
+pytestmark = pytest.mark.xla_api  # a dependency API at its lower bound: the XLA tier runs it
+
 
 @pytest.fixture()
 def net(converted):

@@ -19,6 +19,8 @@ from preshard.runtime import collectives as C
 from preshard.runtime import devices
 from preshard.runtime.devices import detect_kind, init_rank_device
 
+pytestmark = pytest.mark.xla_api  # a dependency API at its lower bound: the XLA tier runs it
+
 TORCHRUN_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PJRT_DEVICE")
 
 

@@ -17,6 +17,8 @@ from preshard.format.manifest import read_manifest
 from preshard.format.plan import Plan
 from preshard.plans.from_model import plan_from_model, plan_from_model_class
 
+pytestmark = pytest.mark.xla_api  # a dependency API at its lower bound: the XLA tier runs it
+
 TOL = 1e-5  # float32; measured max abs diff is ~1e-6
 MODELS = ["flux", "flux2", "qwenimage", "qwenimage21"]
 

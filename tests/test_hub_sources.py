@@ -28,6 +28,8 @@ from safetensors.torch import save_file
 from preshard.errors import SourceError
 from preshard.sources.hub import HubSnapshot, download_files, download_source, is_repo_id, source_headers
 
+pytestmark = pytest.mark.xla_api  # a dependency API at its lower bound: the XLA tier runs it
+
 REPO = "org/h3"
 SUB = "transformer"
 INDEX = "diffusion_pytorch_model.safetensors.index.json"

@@ -16,7 +16,8 @@ from preshard.errors import PreshardError, UsageError
 from preshard.examples.minimax_h3 import make_inputs, reference_forward, tiny_config
 from preshard.runtime.consistency import _word_sums, parse_mode
 
-pytestmark = pytest.mark.timeout(1200)  # the spawned ranks of each world size run every case first
+# the spawned ranks of each world size run every case first
+pytestmark = [pytest.mark.timeout(1200), pytest.mark.xla_api]
 
 TOL = 1e-5
 SEQ = 37

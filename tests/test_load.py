@@ -33,6 +33,8 @@ from preshard.runtime.construct import parameters_on_meta
 from preshard.runtime.load import _load_sharded, check_placement, load_sharded
 from preshard.runtime.tp import ParallelLinear, unparallelize_linear
 
+pytestmark = pytest.mark.xla_api  # a dependency API at its lower bound: the XLA tier runs it
+
 SEQ_LEN = 37  # odd, so no split of the packed sequence comes out even by accident
 FP32_TOL = 1e-5
 # bf16 (every parameter bfloat16, compared with the unsharded bf16 model on the same inputs): the

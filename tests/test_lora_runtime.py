@@ -16,6 +16,8 @@ from tiny_lora import make_lora
 
 from preshard.converter.convert import convert_checkpoint
 
+pytestmark = pytest.mark.xla_api  # a dependency API at its lower bound: the XLA tier runs it
+
 TOL = 1e-5  # float32
 
 

@@ -15,6 +15,8 @@ from preshard.format.manifest import read_manifest
 from preshard.runtime import reader as reader_module
 from preshard.runtime.reader import ShardReader
 
+pytestmark = pytest.mark.xla_api  # a dependency API at its lower bound: the XLA tier runs it
+
 
 def _read(checkpoint, tp_rank: int, *, staged: bool, dtype=None, verify=False) -> dict[str, torch.Tensor]:
     manifest = read_manifest(checkpoint)

@@ -1,16 +1,27 @@
-"""What a command changes for its whole process, in one place and scoped: the cyclic garbage collector paused.
+"""What preshard changes for its whole process, in one place: the cyclic garbage collector paused (scoped), and
+under torchrun, preshard's own errors printed as one line per rank.
 
 A library call leaves the process as it found it. The one context that changes process-wide settings for a
 command is `preshard.converter.signals.command_scope`, which the CLI enters (and a Python caller may); it pauses
 the collector with `gc_paused` below and installs the signal handlers. `tools/estimate.py` times the model check
 under the same pause, so the dry run measures what the command will pay.
+
+Under torchrun an uncaught error is a traceback on every rank, 20 lines each for what preshard says in one. So when
+a `PreshardError` leaves `load_sharded` in a process torchrun started, `one_line_errors_under_torchrun` installs a
+`sys.excepthook` that prints such an error, if nothing catches it, as `error: rank R: <message>` (the process still
+exits with status 1, so the job fails); any other exception goes to the hook that was there before.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import os
+import sys
 from collections.abc import Iterator
+from types import TracebackType
+
+from preshard.errors import PreshardError
 
 
 @contextlib.contextmanager
@@ -29,4 +40,29 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-__all__ = ["gc_paused"]
+class _OneLineErrors:
+    """The excepthook `one_line_errors_under_torchrun` installs: a PreshardError as one line, the rest as before."""
+
+    def __init__(self, previous) -> None:
+        self.previous = previous
+
+    def __call__(self, kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        if isinstance(value, PreshardError):
+            print(f"error: rank {os.environ.get('RANK', '?')}: {value}", file=sys.stderr, flush=True)
+        else:
+            self.previous(kind, value, tb)
+
+
+def under_torchrun() -> bool:
+    """Whether torchrun (torch.distributed.run) started this process."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
+
+
+def one_line_errors_under_torchrun() -> None:
+    """In a process torchrun started, print an uncaught PreshardError as one line, `error: rank R: <message>`,
+    instead of a traceback (once; a caller's own excepthook is kept for every other exception). Elsewhere nothing."""
+    if under_torchrun() and not isinstance(sys.excepthook, _OneLineErrors):
+        sys.excepthook = _OneLineErrors(sys.excepthook)
+
+
+__all__ = ["gc_paused", "one_line_errors_under_torchrun", "under_torchrun"]

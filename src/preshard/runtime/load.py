@@ -10,10 +10,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from preshard.errors import MismatchError, UsageError
+from preshard.errors import MismatchError, PreshardError, UsageError
 from preshard.format.dtypes import DType, parse_cast
 from preshard.format.manifest import MANIFEST_NAME, Manifest
 from preshard.format.mesh import MeshSpec
+from preshard.process import one_line_errors_under_torchrun
 from preshard.runtime import collectives
 from preshard.runtime.agreement import agree_on_checkpoint, agree_on_outcome
 from preshard.runtime.consistency import parse_mode
@@ -84,11 +85,17 @@ def load_sharded(
         CorruptCheckpointError: a damaged or edited checkpoint (manifest, data files, config.json).
         MismatchError: the model, its config or the job's world size disagrees with the checkpoint.
         UsageError, DeviceError, PlanError: bad arguments, an unavailable device, a plan that does not fit.
+        Under torchrun, such an error that nothing catches prints as one line per rank, `error: rank R: ...`
+        (`preshard.process.one_line_errors_under_torchrun`), and the job exits non-zero.
     """
-    return _load_sharded(
-        model, checkpoint, mesh=mesh, cp=cp, ring=ring, ulysses=ulysses, order=order, device=device, dtype=dtype,
-        verify=verify, revision=revision, token=token, subfolder=subfolder, check_inputs=check_inputs,
-    )  # fmt: skip
+    try:
+        return _load_sharded(
+            model, checkpoint, mesh=mesh, cp=cp, ring=ring, ulysses=ulysses, order=order, device=device, dtype=dtype,
+            verify=verify, revision=revision, token=token, subfolder=subfolder, check_inputs=check_inputs,
+        )  # fmt: skip
+    except PreshardError:
+        one_line_errors_under_torchrun()
+        raise
 
 
 def _load_sharded(
