@@ -28,7 +28,8 @@ from safetensors.torch import save_file
 from preshard.errors import SourceError
 from preshard.sources.hub import HubSnapshot, download_files, download_source, is_repo_id, source_headers
 
-pytestmark = pytest.mark.xla_api  # a dependency API at its lower bound: the XLA tier runs it
+# a dependency API at its lower bound (the XLA tier runs it); no ranks, a fake Hub: in the quick tier too
+pytestmark = [pytest.mark.xla_api, pytest.mark.quick]
 
 REPO = "org/h3"
 SUB = "transformer"
@@ -383,7 +384,8 @@ def test_unreachable_hub_falls_back_to_the_cache_or_says_so(hf_env: HfEnv, tmp_p
 
 def test_is_repo_id(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.chdir(tmp_path)
-    assert is_repo_id("org/h3") and is_repo_id("gpt2") and is_repo_id("MiniMax/H3-tp8_cp4.v1")
+    assert is_repo_id("org/h3") and is_repo_id("MiniMax/H3-tp8_cp4.v1")
+    assert not is_repo_id("gpt2") and not is_repo_id("h3-tp1-typo")  # a bare name: a mistyped local folder
     (tmp_path / "org").mkdir()
     (tmp_path / "org" / "h3").mkdir()
     assert not is_repo_id("org/h3")  # a local path of that spelling wins

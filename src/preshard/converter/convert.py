@@ -15,8 +15,9 @@ import contextlib
 import functools
 import hashlib
 import json
+import sys
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -31,6 +32,7 @@ from preshard.converter.workdir import (
     check_output,
     check_space,
     commit,
+    make_parents,
     open_workdir,
     partial_dir,
     resume,
@@ -350,6 +352,7 @@ def write_conversion(
             try:
                 check_output(output, job.source.input_paths(), overwrite)
                 check_space(output, partial_dir(output), space_needed(job))  # before the lock file: before any write
+                make_parents(output)
                 stack.enter_context(OutputLock(output, wait=wait))
             except BaseException as exc:
                 error = exc
@@ -410,8 +413,12 @@ class _Background:
         if self._thread is not None and not self._thread.is_alive() and self._error is not None:
             raise self._error
 
-    def result(self, check_stop=None) -> None:
+    def result(self, check_stop=None, note: Callable[[str], None] | None = None) -> None:
+        """Wait for the check (its error raised here); `note` is told, once, when there is a wait (a long phase that
+        would otherwise print nothing: the model check takes 30-60 s on a small host)."""
         self.start()
+        if note is not None and self._thread is not None and self._thread.is_alive():
+            note("the data is written; waiting for the check of the plan against the model class (diffusers)")
         while self._thread is not None and self._thread.is_alive():
             self._thread.join(0.1)
             if check_stop is not None:
@@ -457,7 +464,13 @@ class _Conversion:
         self.identity = self.config_bytes = None
         self.outcome: ConversionOutcome | None = None
 
+    def _note(self, text: str) -> None:
+        """One line on stderr where progress is shown (`progress=None`: when stderr is a terminal)."""
+        if self.progress or (self.progress is None and sys.stderr.isatty()):
+            print(text, file=sys.stderr, flush=True)
+
     def run(self, progress: bool | None) -> Manifest:
+        self.progress = progress
         try:
             self._setup()
             gathered = self._write(progress)
@@ -576,7 +589,7 @@ class _Conversion:
         if self.coord.rank == 0:
             try:
                 self.check_stop()  # (which also raises a failed model check)
-                self.check_stop.background.result(self.check_stop)
+                self.check_stop.background.result(self.check_stop, note=self._note)
                 job.source.check_unchanged(self.identity)
                 checksums = {k: v for part, _ in gathered for k, v in part.items()}
                 source_hashes = {k: v for _, part in gathered for k, v in part.items()}

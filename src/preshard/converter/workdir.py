@@ -108,11 +108,12 @@ def check_output(output: Path, source_paths: list[Path], overwrite: bool, kind: 
         raise OutputError(f"output {given} is a symbolic link; pass the real folder it points to, or a new path")
     if output.exists() and not output.is_dir():
         raise OutputError(f"output {given} is a file; pass a directory path for the converted checkpoint")
-    if not output.parent.is_dir():
-        raise OutputError(f"the parent folder of {given} does not exist; create it first")
-    if not os.access(output.parent, os.W_OK | os.X_OK):
+    base = existing_ancestor(output)  # missing parents are created when writing begins (`make_parents`)
+    if not base.is_dir():
+        raise OutputError(f"{base} is a file, so {given} cannot be made under it; pass another output path")
+    if not os.access(base, os.W_OK | os.X_OK):
         raise OutputPermissionError(
-            f"cannot write in {output.parent} (permission denied); pick an output folder this user can write to"
+            f"cannot write in {base} (permission denied); pick an output folder this user can write to"
         )
     out = output.resolve()
     for source in source_paths:
@@ -120,14 +121,27 @@ def check_output(output: Path, source_paths: list[Path], overwrite: bool, kind: 
         if out == source or out in source.parents or source in out.parents:
             raise OutputError(f"output {given} overlaps the source {source}; write the conversion elsewhere")
     if output.exists() and any(output.iterdir()):
-        if not overwrite:
-            raise OutputExistsError(f"output {given} already exists; pass --overwrite to replace it")
-        if not kind.recognise(output):
+        if not kind.recognise(output):  # --overwrite would refuse it too: never suggest it
             raise OutputExistsError(
-                f"output {given} is not {kind.noun}, and --overwrite replaces only that: "
+                f"output {given} already exists and is not {kind.noun}, which is all --overwrite replaces: "
                 "remove the folder yourself or name a new one"
             )
+        if not overwrite:
+            raise OutputExistsError(f"output {given} already exists; pass --overwrite to replace it")
     return out
+
+
+def existing_ancestor(path: Path) -> Path:
+    """`path`'s parent if it exists, else the nearest ancestor that does (what a missing output is made in)."""
+    base = Path(os.path.abspath(path)).parent
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    return base
+
+
+def make_parents(output: Path) -> None:
+    """Create the output's missing parent folders (`mkdir -p`), once the checks passed and writing begins."""
+    output.parent.mkdir(parents=True, exist_ok=True)
 
 
 def check_space(output: Path, work: Path, needed: int) -> None:
@@ -137,12 +151,13 @@ def check_space(output: Path, work: Path, needed: int) -> None:
         OutputError: naming what is needed and what is free.
     """
     present = sum(f.stat().st_size for f in work.glob("*.distcp")) if work.is_dir() else 0
-    stat = os.statvfs(output.parent)
+    base = existing_ancestor(output)
+    stat = os.statvfs(base)
     free = stat.f_bavail * stat.f_frsize
     missing = needed - present
     if missing > free:
         raise OutputError(
-            f"the conversion needs {human_bytes(missing)} more on the file system of {output.parent}, which has "
+            f"the conversion needs {human_bytes(missing)} more on the file system of {base}, which has "
             f"{human_bytes(free)} free; free space or write elsewhere"
         )
 
@@ -438,6 +453,7 @@ def fresh_workdir(
         OutputError: as `check_output`, or the output is locked by another run (without `wait`).
     """
     check_output(output, inputs, overwrite, kind)
+    make_parents(output)
     with OutputLock(output, wait=wait), deferred_signals() as stop:
         stop.check()  # a signal that came before, its exception swallowed: stop before writing
         check_output(output, inputs, overwrite, kind)  # again, now that we hold the lock

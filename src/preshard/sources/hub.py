@@ -90,14 +90,16 @@ class HubSnapshot:
 
 
 def is_repo_id(text: str) -> bool:
-    """Whether `text` has a shape the Hub accepts as a repo id ('org/name' or 'name') and names no local path.
+    """Whether `text` is a Hub repo id, 'org/name', and names no local path.
 
-    Callers check the local path first: a local path always wins over a repo id of the same spelling. File names
-    (`*.safetensors`, `*.json`) are never repo ids, so a mistyped local file is reported as a missing file.
+    Callers check the local path first: a local path always wins over a repo id of the same spelling. What is not
+    'org/name' is a local path, so a mistyped folder is reported as a missing folder, not as a Hub repo that could
+    not be reached: a bare name (`h3-tp8-typo`: the Hub's old namespace-less ids name no checkpoint preshard reads),
+    a path that starts with `.`, `/` or `~`, and file names (`*.safetensors`, `*.json`).
     """
     if not isinstance(text, str) or not text or os.path.lexists(text):
         return False
-    if text.endswith((".safetensors", ".json")):
+    if text.endswith((".safetensors", ".json")) or text.count("/") != 1 or text.startswith((".", "/", "~")):
         return False
     try:
         validate_repo_id(text)

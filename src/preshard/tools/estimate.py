@@ -75,12 +75,15 @@ class Work:
     @staticmethod
     def conversion(source_bytes: int, cached: int, output_bytes: int) -> Work:
         """Source hashed once (provenance), read by copy where cached; output staged (a copy), then its chunk and
-        file hashes. A reshard's input chunks are hash-checked as read, as a source is hashed: the same work."""
+        file hashes. A reshard's input chunks are hash-checked as read, as a source is hashed: the same work.
+        `cached` counts whole files (headers too), so it is capped at the bytes read."""
+        cached = min(cached, source_bytes)
         return Work(source_bytes, cached, output_bytes, cached + output_bytes, source_bytes + 2 * output_bytes)
 
     @staticmethod
     def unshard(input_bytes: int, cached: int, output_bytes: int) -> Work:
         """Chunks read (a copy where cached) into the rebuilt files, each file's xxh3_128 checked."""
+        cached = min(cached, input_bytes)
         return Work(input_bytes, cached, output_bytes, cached + output_bytes, output_bytes)
 
 
@@ -102,7 +105,7 @@ class Estimate:
     def describe(self) -> str:
         """One line: the figure and what it is made of."""
         w, p = self.work, self.probe
-        share = w.cached_bytes / w.source_bytes if w.source_bytes else 1.0
+        share = min(1.0, w.cached_bytes / w.source_bytes) if w.source_bytes else 1.0
         disk = "not measured" if self.disk_seconds is None else human_seconds(self.disk_seconds)
         return (
             f"about {human_seconds(self.seconds)} = start {human_seconds(self.start_seconds)} + the larger of the "

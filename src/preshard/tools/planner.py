@@ -472,7 +472,7 @@ def dry_run(
 def _space(output: Path, needed: int) -> tuple[int, str | None]:
     from preshard.converter.workdir import check_space, partial_dir
 
-    free = shutil.disk_usage(output.parent).free
+    free = shutil.disk_usage(_existing(output.parent)).free  # a missing parent is made when writing begins
     try:
         check_space(output, partial_dir(output), needed)
     except OutputError as exc:
@@ -483,7 +483,7 @@ def _space(output: Path, needed: int) -> tuple[int, str | None]:
 def _probe(inputs: list[Path], output: Path, space_error: str | None) -> Probe:
     """The rates, probing the largest input file; the write probe is skipped on a file system without the space."""
     largest = max(inputs, key=lambda p: p.stat().st_size) if inputs else None
-    return probe(largest, None if space_error else output.parent)
+    return probe(largest, None if space_error else _existing(output.parent))
 
 
 def _existing(path: Path) -> Path:
@@ -558,8 +558,8 @@ def dry_run_text(run: DryRun) -> str:
 
 def _space_line(needed: int, output: Path, free: int, error: str | None) -> str:
     return (
-        f"space:     needs {human_bytes(needed)} on the file system of {output.parent}, {human_bytes(free)} free -> "
-        + ("NOT ENOUGH" if error else "ok")
+        f"space:     needs {human_bytes(needed)} on the file system of {_existing(output.parent)}, {human_bytes(free)} "
+        "free -> " + ("NOT ENOUGH" if error else "ok")
     )
 
 
