@@ -30,10 +30,11 @@ import contextlib
 import signal
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 from preshard.errors import Interrupted
 
-_NAMES = {signal.SIGINT: "interrupted (SIGINT)", signal.SIGTERM: "terminated (SIGTERM)"}
+_NAMES: dict[int, str] = {signal.SIGINT: "interrupted (SIGINT)", signal.SIGTERM: "terminated (SIGTERM)"}
 
 
 class StopFlag:
@@ -60,7 +61,7 @@ class StopFlag:
 class _DeferringHandler:
     """`deferred_signals`' handler: records the signal in the flag; asked twice, acts as the handler from before."""
 
-    def __init__(self, flag: StopFlag, previous: dict[int, object]) -> None:
+    def __init__(self, flag: StopFlag, previous: dict[int, Any]) -> None:
         self.flag, self.previous = flag, previous
 
     def __call__(self, signum, frame) -> None:
@@ -110,7 +111,7 @@ def deferred_signals() -> Iterator[StopFlag]:
     if not _in_main_thread():
         yield flag
         return
-    previous: dict[int, object] = {}
+    previous: dict[int, Any] = {}
     handler = _DeferringHandler(flag, previous)
     for signum in _NAMES:
         old = signal.getsignal(signum)

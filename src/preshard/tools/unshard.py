@@ -210,8 +210,9 @@ def _write_files(work: Path, headers: list[SafetensorsHeader], records, reader: 
         abort.set()  # (when all went well, nothing is left to stop)
         pool.shutdown(wait=True, cancel_futures=True)
     for f in futures:  # in file order: the first real failure
-        if not f.cancelled() and f.exception() is not None and not isinstance(f.exception(), _Stopped):
-            raise f.exception()
+        failure = None if f.cancelled() else f.exception()
+        if failure is not None and not isinstance(failure, _Stopped):
+            raise failure
     stop.check()
 
 
