@@ -24,7 +24,7 @@ After every signal:
   whose re-run must start over.
 
 Prints a summary (signals by kind and where they landed, exits, re-runs, reuse, bad outputs) and exits
-1 on any failure. `tests/test_integrity.py` runs the same harness in CI with fewer signals.
+1 on any failure. `tests/test_signals_and_concurrency.py` runs the same harness in CI with fewer signals.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ correct result. The classes (issue 20):
   both ranks with the same line; the control loads.
 
 Prints one line per class (cases, held) and every failure; exits 1 on any failure.
-`tests/test_hostile.py` runs a smaller mix in CI.
+`tests/test_untrusted_input.py` runs a smaller mix in CI.
 """
 
 from __future__ import annotations

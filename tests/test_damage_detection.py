@@ -1,11 +1,11 @@
 """Reliability: verifiable shards, damage caught at verify and load, every bad input a clear error.
 
-(Signals, concurrent conversions, resume after damage and a changing source: tests/test_integrity.py.)
+(Signals, concurrent conversions, resume after damage and a changing source: tests/test_signals_and_concurrency.py.)
 
 - damage: one flipped byte anywhere in any data file is caught by verify (naming the tensor when the
   byte is tensor data); a missing or truncated rank file is caught at load, naming the file;
 - bad input: each is one line "error: ..." and exit status 2 from the CLI, no traceback, no output
-  written, the source untouched (fuzzed headers and manifests: tests/unit, tests/test_tamper.py).
+  written, the source untouched (fuzzed headers and manifests: tests/unit, tests/test_edited_checkpoints.py).
 """
 
 from __future__ import annotations
