@@ -482,7 +482,7 @@ def _error_cases(tiny_src: Path, tmp: Path) -> dict[str, tuple[list[str], str]]:
     return {
         "source missing": ([str(tmp / "missing"), out, "--tp", "2"], "does not exist"),
         "source not safetensors": ([str(text), out, "--tp", "2"], "is not a .safetensors file"),
-        "output exists": ([src, str(occupied), "--tp", "2"], "already exists; pass --overwrite"),
+        "output exists": ([src, str(occupied), "--tp", "2"], "already exists and is not a preshard checkpoint"),
         "unknown plan": ([src, out, "--tp", "2", "--plan", "no-such-plan"], "unknown plan 'no-such-plan'"),
         "tp zero": ([src, out, "--tp", "0"], "'--tp': 0 is not in the range x>=1"),
         "tp not a number": ([src, out, "--tp", "abc"], "'--tp': 'abc' is not a valid integer"),

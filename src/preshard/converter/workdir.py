@@ -123,7 +123,7 @@ def check_output(output: Path, source_paths: list[Path], overwrite: bool, kind: 
     if output.exists() and any(output.iterdir()):
         if not kind.recognise(output):  # --overwrite would refuse it too: never suggest it
             raise OutputExistsError(
-                f"output {given} already exists and is not {kind.noun}, which is all --overwrite replaces: "
+                f"output {given} already exists and is not {kind.noun}; --overwrite replaces only that: "
                 "remove the folder yourself or name a new one"
             )
         if not overwrite:

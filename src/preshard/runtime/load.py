@@ -12,6 +12,7 @@ from torch import nn
 
 from preshard.errors import MismatchError, PreshardError, UsageError
 from preshard.format.dtypes import DType, parse_cast
+from preshard.format.locate import local_path
 from preshard.format.manifest import MANIFEST_NAME, Manifest
 from preshard.format.mesh import MeshSpec
 from preshard.process import one_line_errors_under_torchrun
@@ -129,12 +130,9 @@ def _open_checkpoint(
     checkpoint, revision, token, subfolder, rank_device: RankDevice, mesh, cp, ring, ulysses, order
 ) -> tuple[HeldCheckpoint, str | None, MeshSpec]:
     """This rank's checkpoint, opened and held (a Hub repo's files fetched first), its Hub commit, the run mesh."""
-    path = Path(checkpoint)
-    if path.is_dir() and subfolder:
-        path = path / subfolder
-    if path.exists() or not isinstance(checkpoint, str):
-        if revision is not None:
-            raise UsageError(f"revision= applies to Hub repos, but {checkpoint} is a local path; drop revision=")
+    path = local_path(checkpoint, subfolder, revision, option="revision=")
+    if path is not None or not isinstance(checkpoint, str):
+        path = path if path is not None else Path(checkpoint)  # a Path that does not exist: named missing below
         if path.is_file():
             hint = f"the folder {path.parent}" if path.name == MANIFEST_NAME else "the folder convert-checkpoint wrote"
             raise UsageError(f"checkpoint {checkpoint} is a file, not a checkpoint folder; pass {hint}")

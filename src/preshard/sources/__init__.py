@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from preshard.errors import SourceError, SourceNotFoundError
+from preshard.format.locate import local_path
 from preshard.sources.local import CheckpointSource, open_local
 
 if TYPE_CHECKING:
@@ -47,18 +48,6 @@ class ConversionSource(Protocol):
     def source_record(self, file_hashes: dict[str, str]) -> Source: ...
 
 
-def _local_path(source: str | Path, subfolder: str | None, revision: str | None) -> Path | None:
-    """The local path `source` names (joined with `subfolder`), or None when no such path exists."""
-    path = Path(source)
-    if subfolder and path.is_dir():
-        path = path / subfolder
-    if not path.exists():
-        return None
-    if revision is not None:
-        raise SourceError(f"--revision applies to Hub repos, but {source} is a local path; drop --revision")
-    return path
-
-
 def _missing(source: str | Path) -> SourceError:
     return SourceNotFoundError(
         f"source {source} does not exist; pass a .safetensors file, a folder holding them, or a Hub repo id (org/name)"
@@ -88,7 +77,7 @@ def open_source(
     Raises:
         SourceError: the source does not exist, cannot be downloaded, or is not a consistent checkpoint.
     """
-    path = _local_path(source, subfolder, revision)
+    path = local_path(source, subfolder, revision)
     if path is not None:
         return open_local(path)
     if not _is_hub(source):
@@ -166,7 +155,7 @@ def open_source_headers(
     Raises:
         SourceError: as `open_source`.
     """
-    path = _local_path(source, subfolder, revision)
+    path = local_path(source, subfolder, revision)
     if path is not None:
         return open_local(path)
     if not _is_hub(source):

@@ -48,6 +48,7 @@ from preshard.format.fileio import HASH_BLOCK, byte_view, pread_into
 from preshard.format.folder import CheckpointFolder
 from preshard.format.jsonio import parse_json_text
 from preshard.format.layout import ChunkRecord
+from preshard.format.locate import local_path
 from preshard.format.manifest import (
     DCP_METADATA_NAME,
     MANIFEST_NAME,
@@ -464,12 +465,8 @@ def open_presharded(
     Raises:
         CorruptCheckpointError: not a complete, intact checkpoint. SourceError: a Hub repo that cannot be fetched.
     """
-    path = Path(checkpoint)
-    if subfolder and path.is_dir():
-        path = path / subfolder
-    if path.exists():
-        if revision is not None:
-            raise SourceError(f"--revision applies to Hub repos, but {checkpoint} is a local path; drop --revision")
+    path = local_path(checkpoint, subfolder, revision)
+    if path is not None:
         return PreshardedSource(path, given=str(checkpoint))
     from preshard.sources import hub
 

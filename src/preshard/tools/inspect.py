@@ -6,6 +6,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from preshard.format.locate import local_path
 from preshard.format.manifest import MANIFEST_NAME, Manifest, read_manifest
 from preshard.units import human_bytes, plural
 
@@ -24,21 +25,18 @@ def read_checkpoint_manifest(
         CheckpointNotFoundError: neither a local checkpoint nor a repo id. UsageError: --revision on a local path.
         SourceError: the Hub repo, revision or manifest cannot be fetched. CorruptCheckpointError: a bad manifest.
     """
-    from preshard.errors import UsageError
-
-    path = Path(checkpoint)
-    if subfolder and path.is_dir():
-        path = path / subfolder
-    if path.exists():
-        if revision is not None:
-            raise UsageError(f"--revision applies to Hub repos, but {checkpoint} is a local path; drop --revision")
+    path = local_path(checkpoint, subfolder, revision)
+    if path is not None:
         return read_manifest(path)
     from preshard.sources import hub
 
     if isinstance(checkpoint, str) and hub.is_repo_id(checkpoint):
         head = hub.download_files(checkpoint, [MANIFEST_NAME], revision=revision, token=token, subfolder=subfolder)
         return read_manifest(head.folder)
-    return read_manifest(path)  # names the missing path
+    missing = Path(checkpoint)
+    if subfolder and missing.is_dir():
+        missing = missing / subfolder
+    return read_manifest(missing)  # names the missing path
 
 
 def rank_read_bytes(manifest: Manifest, tp_rank: int) -> tuple[int, int]:

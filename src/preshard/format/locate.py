@@ -1,0 +1,37 @@
+"""The one answer to "is this a local path or a Hub repo id?", for sources and converted checkpoints alike.
+
+A local path always wins over a repo id of the same spelling: `local_path` returns it (joined with `subfolder` inside
+a folder) or None, and every caller then treats None as a Hub repo id if `sources.hub.is_repo_id` says it is one,
+else as a missing path of its own kind (`SourceNotFoundError`, `CheckpointNotFoundError`). The same mistake gets
+the same error everywhere: a revision given for a local path is a `UsageError`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from preshard.errors import UsageError
+
+
+def local_path(
+    given: str | Path, subfolder: str | None = None, revision: str | None = None, option: str = "--revision"
+) -> Path | None:
+    """The local file or folder `given` names (with `subfolder` inside a folder), or None when there is none.
+
+    Args:
+        option: how the caller spells the revision (`--revision` on the command line, `revision=` in Python).
+
+    Raises:
+        UsageError: a revision was given for a local path (revisions are the Hub's).
+    """
+    path = Path(given)
+    if subfolder and path.is_dir():
+        path = path / subfolder
+    if not path.exists():
+        return None
+    if revision is not None:
+        raise UsageError(f"{option} applies to Hub repos, but {given} is a local path; drop {option}")
+    return path
+
+
+__all__ = ["local_path"]
