@@ -67,3 +67,18 @@ def test_the_error_outside_torchrun_keeps_its_traceback(converted, rank_script):
     assert done.returncode == 1
     assert "Traceback" in done.stderr and "MismatchError" in done.stderr and "this process runs alone" in done.stderr
     assert not any(line.startswith("error: rank") for line in done.stderr.splitlines()), done.stderr
+
+
+def test_the_one_line_is_one_write_so_ranks_sharing_a_pipe_cannot_run_together(monkeypatch, tmp_path):
+    """CI once read `...on 2 rankserror: rank 0: ...`: print wrote the message and its newline separately, and the
+    other rank's line landed between them. The hook now hands the whole line, newline included, to one os.write."""
+    from preshard import process
+    from preshard.errors import MismatchError
+
+    writes: list[bytes] = []
+    monkeypatch.setattr(process.os, "write", lambda fd, data: writes.append(data) or len(data))
+    monkeypatch.setenv("RANK", "3")
+    with open(tmp_path / "stderr", "w") as stderr:
+        monkeypatch.setattr(process.sys, "stderr", stderr)
+        process._OneLineErrors(lambda *a: None)(MismatchError, MismatchError("the job has 2 ranks"), None)
+    assert writes == [b"error: rank 3: the job has 2 ranks\n"]

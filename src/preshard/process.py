@@ -48,7 +48,16 @@ class _OneLineErrors:
 
     def __call__(self, kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
         if isinstance(value, PreshardError):
-            print(f"error: rank {os.environ.get('RANK', '?')}: {value}", file=sys.stderr, flush=True)
+            # One write of the whole line: ranks share torchrun's stderr pipe, and a write under PIPE_BUF bytes is
+            # atomic there, while print's separate newline let two ranks' lines run together.
+            line = f"error: rank {os.environ.get('RANK', '?')}: {value}\n"
+            try:
+                descriptor = sys.stderr.fileno()
+            except (AttributeError, OSError, ValueError):  # stderr replaced by an object with no descriptor
+                sys.stderr.write(line)
+                return
+            sys.stderr.flush()
+            os.write(descriptor, line.encode(errors="replace"))
         else:
             self.previous(kind, value, tb)
 
