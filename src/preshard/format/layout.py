@@ -21,6 +21,7 @@ from typing import Any
 
 from preshard.errors import PlanError
 from preshard.format.dtypes import UINT8, DType, as_dtype
+from preshard.format.quant import layout_role
 from preshard.format.styles import REPLICATE, Box, Style
 from preshard.format.torch_record import RecordFraming, record_framing
 
@@ -71,7 +72,7 @@ class TensorLayout:
         shape, dtype, source_dtype = tuple(shape), as_dtype(dtype), as_dtype(source_dtype)
         if style.name == REPLICATE.name:
             return cls(name, style, None, None, shape, dtype, source_dtype)
-        param = name.rpartition(".")[2]
+        param = layout_role(name, shape)
         if param not in ("weight", "bias") or len(shape) != (style.weight_ndim() if param == "weight" else 1):
             if style.module_kind == "norm":
                 raise PlanError(

@@ -27,6 +27,7 @@ from typing import Any
 from preshard.errors import PlanError
 from preshard.format.dtypes import DType, as_dtype, cast_dtype
 from preshard.format.layout import TensorLayout
+from preshard.format.quant import companion_style, is_companion, refuse_unsupported
 from preshard.format.styles import REPLICATE, STYLES, Style, make_style
 
 PLAN_FORMAT = 1
@@ -471,6 +472,7 @@ def resolve_plan(
     resolved: dict[str, TensorLayout] = {}
     cast = as_dtype(cast) if cast is not None else None
     hits = {rule.match: 0 for rule in plan.linear}
+    refuse_unsupported(tensors)
     for name, (shape, dtype) in tensors.items():
         module = name.rpartition(".")[0]
         rules = [rule for rule in plan.linear if matches(rule.match, module)]
@@ -480,6 +482,8 @@ def resolve_plan(
                 "make the plan's rules disjoint"
             )
         style = rules[0].style_for(module, tensors, plan.origin) if rules else REPLICATE
+        if rules and is_companion(name):  # a weight's scale follows its weight (format/quant.py)
+            style = companion_style(name, tuple(shape), style, tensors, config)
         if rules:
             hits[rules[0].match] += 1
         try:

@@ -7,13 +7,36 @@ not need: the converter and the tools that only move bytes never import this mod
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 
+def dequantized_weight(linear: Any) -> torch.Tensor:
+    """The weight a Linear computes with: its own, or a quantized one (`format/quant.py`) dequantized to the
+    compute dtype with its scale, as `runtime/quant.py` set up (the scale applies to this rank's rows/columns).
+
+    Weight-only: the activation is never quantized, so the layer computes the dequantized model's function.
+    """
+    weight: torch.Tensor = linear.weight
+    dtype: torch.dtype | None = getattr(linear, "preshard_compute_dtype", None)
+    if dtype is None:
+        return weight
+    scale_name: str | None = linear.preshard_scale_name
+    if scale_name is None:
+        return weight.to(dtype)
+    scale: torch.Tensor = getattr(linear, scale_name).to(dtype)
+    block: tuple[int, int] | None = linear.preshard_block
+    if block is None:  # per tensor ([] or [1]) or per output channel ([out] or [out, 1])
+        return weight.to(dtype) * (scale.reshape(-1, 1) if scale.numel() > 1 else scale.reshape(()))
+    rows, cols = weight.shape
+    scale = scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return weight.to(dtype) * scale
+
+
 def _row_parallel(linear: torch.nn.Linear, x: torch.Tensor, all_reduce: Callable[[torch.Tensor], torch.Tensor]):
-    out = all_reduce(F.linear(x, linear.weight))
+    out = all_reduce(F.linear(x, dequantized_weight(linear)))
     return out if linear.bias is None else out + linear.bias
 
 

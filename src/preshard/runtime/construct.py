@@ -233,9 +233,13 @@ def localise(model: nn.Module, manifest: Manifest) -> dict[str, nn.Module]:
             raise PlanError(f"the plan shards {module_name}, which is a {type(module).__name__}, not nn.Linear")
         modules[module_name] = module
         if layout.shard_dim is not None:
-            param = module._parameters[leaf]
-            local = torch.empty(layout.local_shape(tp), dtype=param.dtype, device="meta")
-            module._parameters[leaf] = nn.Parameter(local, requires_grad=False)
+            if leaf in module._parameters:
+                param = module._parameters[leaf]
+                local = torch.empty(layout.local_shape(tp), dtype=param.dtype, device="meta")
+                module._parameters[leaf] = nn.Parameter(local, requires_grad=False)
+            else:  # a weight's scale (runtime/quant.py), a buffer of its Linear
+                buffer = module._buffers[leaf]
+                module._buffers[leaf] = torch.empty(layout.local_shape(tp), dtype=buffer.dtype, device="meta")
     for module in modules.values():
         if isinstance(module, nn.Linear):
             module.out_features, module.in_features = module.weight.shape

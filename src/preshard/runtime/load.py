@@ -15,8 +15,9 @@ from preshard.format.dtypes import DType, parse_cast
 from preshard.format.locate import local_path
 from preshard.format.manifest import MANIFEST_NAME, Manifest
 from preshard.format.mesh import MeshSpec
+from preshard.format.quant import is_companion
 from preshard.process import one_line_errors_under_torchrun
-from preshard.runtime import collectives
+from preshard.runtime import collectives, quant
 from preshard.runtime.agreement import agree_on_checkpoint, agree_on_outcome
 from preshard.runtime.consistency import parse_mode
 from preshard.runtime.construct import (
@@ -178,6 +179,8 @@ def _load_held(
         tp_rank = groups.coords["tp"]
 
         net = build_model(model, checkpoint, config)
+        quantized = quant.quantized_weights(manifest, config)
+        quant.prepare(net, manifest, quantized)
         check_against_manifest(net, manifest)
         check_config(net, config)
         report = _new_report(rank_device, run_mesh, groups, checkpoint)
@@ -226,6 +229,8 @@ def _load_held(
         **parallelize_norms(net, manifest.plan, groups.tp, tp_rank, manifest.tp),
         **split_outputs(net, manifest.plan, tp_rank, manifest.tp),
     }
+    dequantize_to = quant.compute_dtype(net, cast.torch if cast is not None else None)
+    tp_hooks.update(quant.attach(net, quantized, dequantize_to))
     for module_name, description in tp_hooks.items():
         report.add_hook(module_name, description)
     attach_lora_loading(net, linears, manifest, groups.tp, tp_rank, report)
@@ -288,7 +293,7 @@ def _new_report(rank_device: RankDevice, mesh: MeshSpec, groups: MeshGroups, che
 
 def _target_dtype(name: str, stored: DType, requested: DType | None, keep_fp32: list[str]) -> torch.dtype:
     """torch's dtype for the parameter: the stored one, or the requested cast (floating ones, unless kept)."""
-    if requested is None or not stored.is_floating_point or stored.itemsize == 1:
+    if requested is None or not stored.is_floating_point or stored.itemsize == 1 or is_companion(name):
         return stored.torch
     if any(part in name.split(".") for part in keep_fp32):
         return stored.torch

@@ -1,0 +1,250 @@
+"""Quantized checkpoints (format/quant.py, runtime/quant.py): each published layout of fp8/int8 weights with their
+scales converts with the built-in plan, loads quantized on 2 gloo ranks, and computes the unsharded model with the
+dequantized weights; what preshard does not handle is refused in one line."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from multiproc import run_ranks
+from safetensors.torch import load_file, save_file
+from tiny_diffusers import build
+
+from preshard.converter.convert import convert_checkpoint
+from preshard.errors import PlanError
+
+FP8_MAX = 448.0
+BLOCK = 8  # the tiny Wan's widths (32, 64) are whole 8-blocks at tp=2 and tp=4, 16-blocks at tp=2 only
+
+
+def _linear_weights(state: dict[str, torch.Tensor]) -> list[str]:
+    """The transformer blocks' Linear weights, as the published fp8 files quantize (the embedders stay: Wan casts
+    the timestep to its time embedder's weight dtype)."""
+    return [k for k, v in state.items() if k.startswith("blocks.") and k.endswith(".weight") and v.dim() == 2]
+
+
+def _per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = w.abs().max().float() / FP8_MAX
+    return (w / scale).to(torch.float8_e4m3fn), scale
+
+
+def _per_channel_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = w.abs().amax(dim=1).float() / 127
+    return (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale
+
+
+def _blocks(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = w.shape
+    grid = w.reshape(rows // block, block, cols // block, block).abs().amax(dim=(1, 3)).float() / FP8_MAX
+    full = grid.repeat_interleave(block, 0).repeat_interleave(block, 1)
+    return (w / full).to(torch.float8_e4m3fn), grid
+
+
+def quantized_state(state: dict[str, torch.Tensor], layout: str) -> dict[str, torch.Tensor]:
+    """`state` (a float32 Wan) stored the way one published layout stores it."""
+    out = dict(state)
+    for name in _linear_weights(state):
+        prefix, w = name[: -len("weight")], state[name]
+        if layout in ("comfy_scale_weight", "comfy_weight_scale", "modelopt"):
+            q, scale = _per_tensor(w)
+            old_spelling = layout == "comfy_scale_weight"
+            weight_key, input_key = ("scale_weight", "scale_input") if old_spelling else ("weight_scale", "input_scale")
+            out[name] = q
+            out[prefix + weight_key] = scale.reshape(()) if layout == "comfy_weight_scale" else scale.reshape(1)
+            out[prefix + input_key] = torch.ones(() if layout == "comfy_weight_scale" else (1,))
+        elif layout == "plain_fp8":
+            out[name] = w.to(torch.float8_e4m3fn)
+        elif layout == "int8_channel":
+            q, scale = _per_channel_int8(w)
+            out[name] = q  # LightX2V: [out]; ModelOpt-style [out, 1] on every other weight
+            out[prefix + "weight_scale"] = scale if len(out) % 2 else scale[:, None].contiguous()
+        elif layout == "block_fp8":
+            if w.shape[0] % BLOCK or w.shape[1] % BLOCK:
+                continue
+            out[name], out[prefix + "weight_scale_inv"] = _blocks(w, BLOCK)
+    if layout.startswith("comfy"):
+        out["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
+    return out
+
+
+def dequantized(state: dict[str, torch.Tensor], apply_scales: bool = True) -> dict[str, torch.Tensor]:
+    """The float32 model a quantized state computes (what `--apply_scales False` leaves out: a negative control)."""
+    out = {}
+    for name, value in state.items():
+        leaf = name.rpartition(".")[2]
+        if leaf in ("weight_scale", "scale_weight", "input_scale", "scale_input", "weight_scale_inv", "scaled_fp8"):
+            continue
+        if leaf == "weight" and value.dtype in (torch.float8_e4m3fn, torch.int8):
+            w = value.float()
+            prefix = name[: -len("weight")]
+            for key in ("weight_scale", "scale_weight"):
+                if apply_scales and prefix + key in state:
+                    s = state[prefix + key].float()
+                    w = w * (s.reshape(-1, 1) if s.numel() > 1 else s.reshape(()))
+            if apply_scales and prefix + "weight_scale_inv" in state:
+                grid = state[prefix + "weight_scale_inv"]
+                w = w * grid.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
+            value = w
+        out[name] = value
+    return out
+
+
+LAYOUTS = ("comfy_scale_weight", "comfy_weight_scale", "modelopt", "plain_fp8", "int8_channel", "block_fp8")
+
+
+def _save(folder: Path, config: dict, state: dict[str, torch.Tensor]) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file(state, str(folder / "diffusion_pytorch_model.safetensors"))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("quantized")
+    model, _ = build("wan")
+    config = {"_class_name": type(model).__name__, **{k: v for k, v in model.config.items() if not k.startswith("_")}}
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    made = {}
+    for layout in LAYOUTS:
+        source = _save(root / layout, config, quantized_state(state, layout))
+        convert_checkpoint(source, root / f"{layout}-tp2", tp=2, progress=False)
+        made[layout] = str(source)
+    return made
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8) if t.numel() else t
+
+
+def _rank(rank: int, world: int, checkpoints: dict[str, str]) -> dict:
+    from tiny_diffusers import build
+
+    from preshard.runtime.load import load_sharded
+    from preshard.runtime.tp import unparallelize_linear
+
+    results: dict = {}
+    model, inputs = build("wan")
+    for layout, source in checkpoints.items():
+        state = load_file(str(Path(source) / "diffusion_pytorch_model.safetensors"))
+        reference, _ = build("wan")
+        reference.load_state_dict(dequantized(state))
+        unscaled, _ = build("wan")
+        unscaled.load_state_dict(dequantized(state, apply_scales=False))
+        net = load_sharded(type(model), source + "-tp2")
+        with torch.no_grad():
+            out = net(**inputs, return_dict=False)[0]
+            want = reference(**inputs, return_dict=False)[0]
+            without_scales = unscaled(**inputs, return_dict=False)[0]
+        quant_hooks = {m: h for m, hooks in net.preshard_report.hooks.items() for h in hooks if h.startswith("quant")}
+        results[layout] = {
+            "diff": (out - want).abs().max().item(),
+            "scale": want.abs().max().item(),
+            "unscaled_diff": (without_scales - want).abs().max().item(),
+            "weight_dtypes": sorted({str(p.dtype) for n, p in net.named_parameters() if n.endswith(".weight")}),
+            "quant_hooks": len(quant_hooks),
+            "to_out_hook": quant_hooks.get("blocks.0.attn1.to_out.0"),
+        }
+        if layout == "int8_channel":
+            full = net.state_dict()
+            results["state_dict_equal"] = sorted(full) == sorted(state) and all(
+                torch.equal(_bits(full[k]), _bits(state[k])) for k in state
+            )
+            compiled = torch.compile(net, fullgraph=True, backend="aot_eager")
+            with torch.no_grad():
+                results["compiled_diff"] = (compiled(**inputs, return_dict=False)[0] - out).abs().max().item()
+            # Negative control: the row-parallel to_out without its scale's dequantization computes another model.
+            to_out = net.get_submodule("blocks.0.attn1.to_out.0")
+            to_out.preshard_scale_name = None
+            with torch.no_grad():
+                results["no_scale_diff"] = (net(**inputs, return_dict=False)[0] - out).abs().max().item()
+            unparallelize_linear(to_out)
+    return results
+
+
+@pytest.fixture(scope="module")
+def tp2(checkpoints) -> list[dict]:
+    return run_ranks(_rank, 2, checkpoints, timeout=600)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_each_layout_loads_quantized_and_equals_the_dequantized_unsharded_model(tp2, layout):
+    for rank in tp2:
+        got = rank[layout]
+        assert got["diff"] <= 1e-5 * max(1.0, got["scale"]), got
+        assert any("float8" in d or "int8" in d for d in got["weight_dtypes"]), got  # kept quantized in memory
+        assert got["quant_hooks"] > 0 and got["to_out_hook"].startswith("quant:"), got
+        if layout != "plain_fp8":  # negative control: the scales matter, so the comparison can tell
+            assert got["unscaled_diff"] > 1e-2, got
+
+
+def test_state_dict_gives_the_stored_quantized_tensors_and_scales_and_compile_has_no_break(tp2):
+    for rank in tp2:
+        assert rank["state_dict_equal"]
+        assert rank["compiled_diff"] <= 1e-5
+        assert rank["no_scale_diff"] > 1e-2
+
+
+def test_verify_and_unshard_keep_the_quantized_bytes_and_scales(checkpoints, tmp_path):
+    from preshard.tools.reshard import reshard_checkpoint
+    from preshard.tools.unshard import unshard_checkpoint
+    from preshard.tools.verify import verify_checkpoint
+
+    for layout in ("comfy_scale_weight", "int8_channel", "block_fp8"):
+        source = Path(checkpoints[layout])
+        assert verify_checkpoint(str(source) + "-tp2", source=source).ok
+        resharded = tmp_path / f"{layout}-tp1"
+        reshard_checkpoint(str(source) + "-tp2", resharded, tp=1, progress=False)
+        assert verify_checkpoint(resharded, source=source).ok
+        out = tmp_path / layout
+        unshard_checkpoint(resharded, out, progress=False)
+        name = "diffusion_pytorch_model.safetensors"
+        assert (out / name).read_bytes() == (source / name).read_bytes()
+
+
+@pytest.mark.quick
+def test_a_block_grid_the_tp_degree_would_cut_names_the_degrees_that_work(tmp_path):
+    model, _ = build("wan")
+    config = {"_class_name": type(model).__name__, **{k: v for k, v in model.config.items() if not k.startswith("_")}}
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    name = "blocks.0.attn1.to_q.weight"
+    w, grid = _blocks(state[name], 16)  # 32 rows: two 16-row blocks, which tp=4 would cut
+    source = _save(tmp_path / "src", config, {**state, name: w, "blocks.0.attn1.to_q.weight_scale_inv": grid})
+    with pytest.raises(PlanError, match=r"weight_scale_inv dim 0 .*TP degrees that work for this checkpoint: 1, 2$"):
+        convert_checkpoint(source, tmp_path / "out", tp=4, progress=False)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"blocks.0.attn1.to_q.weight_scale_2": torch.ones(1)}, "NVFP4"),
+        ({"blocks.0.attn1.to_q.SCB": torch.ones(32)}, "bitsandbytes"),
+        ({"blocks.0.attn1.to_q.qweight": torch.ones(4, dtype=torch.int32)}, "GPTQ"),
+        ({"blocks.0.attn1.to_q.weight_scale": torch.ones(3)}, "fits no scale granularity"),
+        ({"blocks.0.attn1.to_k.weight_scale": torch.ones(1)}, "not an fp8/int8 Linear weight"),
+    ],
+)
+def test_layouts_and_scales_preshard_does_not_handle_are_refused_in_one_line(tmp_path, extra, message):
+    model, _ = build("wan")
+    config = {"_class_name": type(model).__name__, **{k: v for k, v in model.config.items() if not k.startswith("_")}}
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    state["blocks.0.attn1.to_q.weight"] = state["blocks.0.attn1.to_q.weight"].to(torch.float8_e4m3fn)
+    source = _save(tmp_path / "src", config, {**state, **extra})
+    with pytest.raises(PlanError, match=message) as info:
+        convert_checkpoint(source, tmp_path / "out", tp=2, progress=False)
+    assert "\n" not in str(info.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_math_reference_is_itself_right():
+    """The test's own dequantization agrees with a direct computation (so a bug in both cannot hide)."""
+    w = torch.randn(16, 16)
+    q, grid = _blocks(w, BLOCK)
+    back = q.float() * grid.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
+    assert (back - w).abs().max() <= w.abs().max() * 2**-3 + 1e-6
+    assert math.isclose(float(grid[0, 0]), float(w[:BLOCK, :BLOCK].abs().max()) / FP8_MAX, rel_tol=1e-6)
