@@ -16,15 +16,17 @@ from tiny_diffusers import build
 
 from preshard.converter.convert import convert_checkpoint
 from preshard.errors import PlanError
+from preshard.examples.minimax_h3 import build_model as build_h3
 
 FP8_MAX = 448.0
-BLOCK = 8  # the tiny Wan's widths (32, 64) are whole 8-blocks at tp=2 and tp=4, 16-blocks at tp=2 only
+BLOCK = 16  # the tiny models' sharded widths are whole 16-blocks at tp=2; tp=4 would cut some (refused)
+QUANTIZED_MODULES = ("blocks.", "transformer_blocks.", "token_refiner.")
 
 
 def _linear_weights(state: dict[str, torch.Tensor]) -> list[str]:
     """The transformer blocks' Linear weights, as the published fp8 files quantize (the embedders stay: Wan casts
     the timestep to its time embedder's weight dtype)."""
-    return [k for k, v in state.items() if k.startswith("blocks.") and k.endswith(".weight") and v.dim() == 2]
+    return [k for k, v in state.items() if k.startswith(QUANTIZED_MODULES) and k.endswith(".weight") and v.dim() == 2]
 
 
 def _per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,7 +95,12 @@ def dequantized(state: dict[str, torch.Tensor], apply_scales: bool = True) -> di
     return out
 
 
+H3_LAYOUTS = ("block_fp8", "int8_channel")
 LAYOUTS = ("comfy_scale_weight", "comfy_weight_scale", "modelopt", "plain_fp8", "int8_channel", "block_fp8")
+
+
+def _config(model) -> dict:
+    return {"_class_name": type(model).__name__, **{k: v for k, v in model.config.items() if not k.startswith("_")}}
 
 
 def _save(folder: Path, config: dict, state: dict[str, torch.Tensor]) -> Path:
@@ -107,13 +114,20 @@ def _save(folder: Path, config: dict, state: dict[str, torch.Tensor]) -> Path:
 def checkpoints(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("quantized")
     model, _ = build("wan")
-    config = {"_class_name": type(model).__name__, **{k: v for k, v in model.config.items() if not k.startswith("_")}}
+    config = _config(model)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     made = {}
     for layout in LAYOUTS:
         source = _save(root / layout, config, quantized_state(state, layout))
         convert_checkpoint(source, root / f"{layout}-tp2", tp=2, progress=False)
         made[layout] = str(source)
+    h3 = build_h3(dtype="float32", seed=0)
+    h3_state = {k: v.contiguous() for k, v in h3.state_dict().items()}
+    for layout in H3_LAYOUTS:  # block FP8 with its block size in config.json, as DeepSeek-style releases state it
+        extra = {"quantization_config": {"quant_method": "fp8", "weight_block_size": [BLOCK, BLOCK]}}
+        source = _save(root / f"h3-{layout}", {**_config(h3), **extra}, quantized_state(h3_state, layout))
+        convert_checkpoint(source, root / f"h3-{layout}-tp2", tp=2, progress=False)
+        made[f"h3-{layout}"] = str(source)
     return made
 
 
@@ -121,49 +135,93 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8) if t.numel() else t
 
 
-def _rank(rank: int, world: int, checkpoints: dict[str, str]) -> dict:
-    from tiny_diffusers import build
+def _quantized(net: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in net.modules() if getattr(m, "preshard_compute_dtype", None) is not None]
 
+
+def _family(key: str):
+    """(fresh float32 model, inputs, forward returning the first output) of the checkpoint `key`."""
+    if key.startswith("h3-"):
+        from preshard.examples.minimax_h3 import make_inputs, reference_forward, tiny_config
+
+        return (
+            build_h3(dtype="float32", seed=0),
+            make_inputs(tiny_config(), 37),
+            lambda m, x: reference_forward(m, x)[0],
+        )
+    model, inputs = build("wan")
+    return model, inputs, lambda m, x: m(**x, return_dict=False)[0]
+
+
+def _compare(key: str, source: str, converted: str, **load) -> tuple[dict, torch.nn.Module, dict, object]:
     from preshard.runtime.load import load_sharded
+
+    state = load_file(str(Path(source) / "diffusion_pytorch_model.safetensors"))
+    reference, inputs, forward = _family(key)
+    reference.load_state_dict(dequantized(state))
+    unscaled, _, _ = _family(key)
+    unscaled.load_state_dict(dequantized(state, apply_scales=False))
+    net = load_sharded(type(reference), converted, **load)
+    with torch.no_grad():
+        out, want, without_scales = forward(net, inputs), forward(reference, inputs), forward(unscaled, inputs)
+    quant_hooks = {m: h for m, hooks in net.preshard_report.hooks.items() for h in hooks if h.startswith("quant")}
+    result = {
+        "diff": (out - want).abs().max().item(),
+        "scale": want.abs().max().item(),
+        "unscaled_diff": (without_scales - want).abs().max().item(),
+        "weight_bytes": sorted({p.dtype.itemsize for n, p in net.named_parameters() if n.endswith(".weight")}),
+        "formats": sorted({str(getattr(m, "preshard_weight_format", m.weight.dtype)) for m in _quantized(net)}),
+        "quant_hooks": len(quant_hooks),
+        "cp_hooks": sum("cp" in h for hooks in net.preshard_report.hooks.values() for h in hooks),
+    }
+    return result, net, inputs, (forward, out, state)
+
+
+def _rank(rank: int, world: int, checkpoints: dict[str, str]) -> dict:
+    from tiny_lora import make_lora
+
     from preshard.runtime.tp import unparallelize_linear
 
     results: dict = {}
-    model, inputs = build("wan")
-    for layout, source in checkpoints.items():
-        state = load_file(str(Path(source) / "diffusion_pytorch_model.safetensors"))
-        reference, _ = build("wan")
-        reference.load_state_dict(dequantized(state))
-        unscaled, _ = build("wan")
-        unscaled.load_state_dict(dequantized(state, apply_scales=False))
-        net = load_sharded(type(model), source + "-tp2")
-        with torch.no_grad():
-            out = net(**inputs, return_dict=False)[0]
-            want = reference(**inputs, return_dict=False)[0]
-            without_scales = unscaled(**inputs, return_dict=False)[0]
-        quant_hooks = {m: h for m, hooks in net.preshard_report.hooks.items() for h in hooks if h.startswith("quant")}
-        results[layout] = {
-            "diff": (out - want).abs().max().item(),
-            "scale": want.abs().max().item(),
-            "unscaled_diff": (without_scales - want).abs().max().item(),
-            "weight_dtypes": sorted({str(p.dtype) for n, p in net.named_parameters() if n.endswith(".weight")}),
-            "quant_hooks": len(quant_hooks),
-            "to_out_hook": quant_hooks.get("blocks.0.attn1.to_out.0"),
-        }
-        if layout == "int8_channel":
+    for key, source in checkpoints.items():
+        result, net, inputs, (forward, out, state) = _compare(key, source, source + "-tp2")
+        results[key] = result
+        if key in ("int8_channel", "comfy_scale_weight"):  # the stored tensors, dtypes and scales, in full
             full = net.state_dict()
-            results["state_dict_equal"] = sorted(full) == sorted(state) and all(
-                torch.equal(_bits(full[k]), _bits(state[k])) for k in state
+            results[f"state_dict_equal {key}"] = sorted(full) == sorted(state) and all(
+                full[k].dtype == state[k].dtype and torch.equal(_bits(full[k]), _bits(state[k])) for k in state
             )
+        if key == "comfy_scale_weight":  # fullgraph: any graph break is an error
             compiled = torch.compile(net, fullgraph=True, backend="aot_eager")
             with torch.no_grad():
                 results["compiled_diff"] = (compiled(**inputs, return_dict=False)[0] - out).abs().max().item()
+        if key == "int8_channel":
             # Negative control: the row-parallel to_out without its scale's dequantization computes another model.
             to_out = net.get_submodule("blocks.0.attn1.to_out.0")
+            results["to_out_hook"] = net.preshard_report.hooks["blocks.0.attn1.to_out.0"]
             to_out.preshard_scale_name = None
             with torch.no_grad():
                 results["no_scale_diff"] = (net(**inputs, return_dict=False)[0] - out).abs().max().item()
             unparallelize_linear(to_out)
+        if key == "h3-block_fp8":  # a LoRA at run time on the FP8 shards: separate adapters, as on the unsharded model
+            from diffusers.loaders import MiniMaxH3LoraLoaderMixin
+
+            reference, _, _ = _family(key)
+            reference.load_state_dict(dequantized(state))
+            path = make_lora(reference, Path(source).parent / f"lora-{rank}.safetensors", seed=3)
+            lora = MiniMaxH3LoraLoaderMixin.lora_state_dict(str(path))
+            alphas = {k: lora.pop(k) for k in [k for k in lora if k.endswith(".alpha")]}
+            reference.load_lora_adapter(dict(lora), network_alphas=alphas, adapter_name="a")
+            net.load_lora_adapter(dict(lora), network_alphas=alphas, adapter_name="a")
+            with torch.no_grad():
+                want = forward(reference, inputs)
+                results["lora_diff"] = (forward(net, inputs) - want).abs().max().item()
+                results["lora_effect"] = (want - out).abs().max().item()
     return results
+
+
+def _rank_cp(rank: int, world: int, checkpoints: dict[str, str]) -> dict:
+    return {key: _compare(key, source, source + "-tp2", ulysses=2)[0] for key, source in checkpoints.items()}
 
 
 @pytest.fixture(scope="module")
@@ -171,22 +229,45 @@ def tp2(checkpoints) -> list[dict]:
     return run_ranks(_rank, 2, checkpoints, timeout=600)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_each_layout_loads_quantized_and_equals_the_dequantized_unsharded_model(tp2, layout):
-    for rank in tp2:
-        got = rank[layout]
-        assert got["diff"] <= 1e-5 * max(1.0, got["scale"]), got
-        assert any("float8" in d or "int8" in d for d in got["weight_dtypes"]), got  # kept quantized in memory
-        assert got["quant_hooks"] > 0 and got["to_out_hook"].startswith("quant:"), got
-        if layout != "plain_fp8":  # negative control: the scales matter, so the comparison can tell
-            assert got["unscaled_diff"] > 1e-2, got
+@pytest.fixture(scope="module")
+def tp2_ulysses2(checkpoints) -> list[dict]:
+    chosen = {k: checkpoints[k] for k in ("comfy_scale_weight", "int8_channel", "h3-block_fp8")}
+    return run_ranks(_rank_cp, 4, chosen, timeout=600)
 
 
-def test_state_dict_gives_the_stored_quantized_tensors_and_scales_and_compile_has_no_break(tp2):
+def _check(got: dict, key: str) -> None:
+    assert got["diff"] <= 1e-5 * max(1.0, got["scale"]), got
+    assert 1 in got["weight_bytes"], got  # kept quantized in memory
+    assert got["formats"] == (["torch.int8"] if "int8" in key else ["torch.float8_e4m3fn"]), got
+    assert got["quant_hooks"] > 0, got
+    if key != "plain_fp8":  # negative control: the scales matter, so the comparison can tell
+        assert got["unscaled_diff"] > 1e-2, got
+
+
+@pytest.mark.parametrize("key", [*LAYOUTS, *(f"h3-{layout}" for layout in H3_LAYOUTS)])
+def test_each_layout_loads_quantized_and_equals_the_dequantized_unsharded_model(tp2, key):
     for rank in tp2:
-        assert rank["state_dict_equal"]
+        _check(rank[key], key)
+
+
+@pytest.mark.parametrize("key", ["comfy_scale_weight", "int8_channel", "h3-block_fp8"])
+def test_tp2_ulysses2_equals_the_dequantized_unsharded_model_with_the_cp_hooks_in_place(tp2_ulysses2, key):
+    for rank in tp2_ulysses2:
+        _check(rank[key], key)
+        assert rank[key]["cp_hooks"] > 0
+
+
+def test_state_dict_gives_the_stored_tensors_and_scales_compile_has_no_break_and_scales_matter(tp2):
+    for rank in tp2:
+        assert rank["state_dict_equal int8_channel"] and rank["state_dict_equal comfy_scale_weight"]
         assert rank["compiled_diff"] <= 1e-5
+        assert any(h.startswith("quant: int8, channel scale") for h in rank["to_out_hook"]), rank["to_out_hook"]
         assert rank["no_scale_diff"] > 1e-2
+
+
+def test_a_runtime_lora_on_fp8_shards_equals_the_unsharded_model_with_the_same_lora(tp2):
+    for rank in tp2:
+        assert rank["lora_effect"] > 1e-2 and rank["lora_diff"] <= 1e-5, rank
 
 
 def test_verify_and_unshard_keep_the_quantized_bytes_and_scales(checkpoints, tmp_path):
@@ -209,7 +290,7 @@ def test_verify_and_unshard_keep_the_quantized_bytes_and_scales(checkpoints, tmp
 @pytest.mark.quick
 def test_a_block_grid_the_tp_degree_would_cut_names_the_degrees_that_work(tmp_path):
     model, _ = build("wan")
-    config = {"_class_name": type(model).__name__, **{k: v for k, v in model.config.items() if not k.startswith("_")}}
+    config = _config(model)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     name = "blocks.0.attn1.to_q.weight"
     w, grid = _blocks(state[name], 16)  # 32 rows: two 16-row blocks, which tp=4 would cut
@@ -231,7 +312,7 @@ def test_a_block_grid_the_tp_degree_would_cut_names_the_degrees_that_work(tmp_pa
 )
 def test_layouts_and_scales_preshard_does_not_handle_are_refused_in_one_line(tmp_path, extra, message):
     model, _ = build("wan")
-    config = {"_class_name": type(model).__name__, **{k: v for k, v in model.config.items() if not k.startswith("_")}}
+    config = _config(model)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     state["blocks.0.attn1.to_q.weight"] = state["blocks.0.attn1.to_q.weight"].to(torch.float8_e4m3fn)
     source = _save(tmp_path / "src", config, {**state, **extra})

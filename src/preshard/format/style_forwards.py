@@ -23,6 +23,9 @@ def dequantized_weight(linear: Any) -> torch.Tensor:
     dtype: torch.dtype | None = getattr(linear, "preshard_compute_dtype", None)
     if dtype is None:
         return weight
+    stored: torch.dtype | None = getattr(linear, "preshard_weight_format", None)
+    if stored is not None:  # a float8 weight held as its bytes (runtime/quant.py says why)
+        weight = weight.view(stored)
     scale_name: str | None = linear.preshard_scale_name
     if scale_name is None:
         return weight.to(dtype)

@@ -239,6 +239,7 @@ def _load_held(
 
         attach_context_parallel(net, manifest.plan, groups, rank_device, report)
     attach_model_surface(net, manifest, run_mesh, groups, rank_device, input_mode, report)
+    quant.attach_state_views(net, quantized)
     net.requires_grad_(False)
     report.total_seconds = time.perf_counter() - start
     setattr(net, REPORT_ATTRIBUTE, report)

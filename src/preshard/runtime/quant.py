@@ -12,6 +12,12 @@ safetensors checkpoint, not a rank's slice, and torchao's tensor subclasses woul
 slicing, preshard's reader and the functional collectives, none of which is tested with them; a few lines of
 weight-only dequantization are. On CUDA a scaled matmul (`torch._scaled_mm`) would skip the dequantized copy; it
 is not used (untested without a GPU): every device dequantizes.
+
+A float8 weight is held as its bytes (a uint8 view, `preshard_weight_format` naming its dtype): model code asks a
+Linear's first floating parameter for the dtype to cast its input to (diffusers' `get_parameter_dtype`, MiniMax-H3's
+AdaLN, Wan's time embedder), and a float8 weight would have the activations cast to float8 before the layer
+sees them. PEFT likewise casts new LoRA factors to a floating base weight's dtype. `state_dict` and
+`load_state_dict` see the float8 dtype again (`attach_state_views`).
 """
 
 from __future__ import annotations
@@ -96,6 +102,10 @@ def attach(net: nn.Module, specs: Mapping[str, QuantSpec], dtype: torch.dtype) -
         module = net.get_submodule(module_name)
         if not isinstance(module, nn.Linear):
             continue
+        weight = module.weight
+        if weight.dtype.is_floating_point:  # float8: held as its bytes (see the module docstring)
+            setattr(module, "preshard_weight_format", weight.dtype)  # noqa: B010
+            module._parameters["weight"] = nn.Parameter(weight.view(torch.uint8), requires_grad=False)
         setattr(module, "preshard_compute_dtype", dtype)  # noqa: B010 (module attributes torch.compile reads)
         setattr(module, "preshard_scale_name", spec.scale.rpartition(".")[2] if spec.scale else None)  # noqa: B010
         setattr(module, "preshard_block", spec.block)  # noqa: B010
@@ -104,3 +114,27 @@ def attach(net: nn.Module, specs: Mapping[str, QuantSpec], dtype: torch.dtype) -
         scale = f", {spec.granularity} scale {spec.scale_dtype}" if spec.scale else ", no scale"
         described[module_name] = f"quant: {spec.format}{scale}, dequantized to {str(dtype).removeprefix('torch.')}"
     return described
+
+
+def _as_stored_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    key = prefix + "weight"
+    value = state_dict.get(key)
+    if value is not None and value.dtype == torch.uint8:
+        state_dict[key] = value.view(module.preshard_weight_format)
+
+
+def _as_held_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    key = prefix + "weight"
+    value = state_dict.get(key)
+    if value is not None and value.dtype == module.preshard_weight_format:
+        state_dict[key] = value.view(torch.uint8)
+
+
+def attach_state_views(net: nn.Module, specs: Mapping[str, QuantSpec]) -> None:
+    """`state_dict` gives a float8 weight back in its own dtype, and `load_state_dict` takes it so: registered
+    after the saving hooks, so the bytes are gathered (and sliced) as bytes first."""
+    for name in specs:
+        module = net.get_submodule(name.rpartition(".")[0])
+        if getattr(module, "preshard_weight_format", None) is not None:
+            module.register_state_dict_post_hook(_as_stored_hook)
+            module.register_load_state_dict_pre_hook(_as_held_hook)
