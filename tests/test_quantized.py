@@ -12,6 +12,7 @@ import pytest
 import torch
 from multiproc import run_ranks
 from safetensors.torch import load_file, save_file
+from tiny_builtin import build as build_builtin
 from tiny_diffusers import build
 
 from preshard.converter.convert import convert_checkpoint
@@ -20,13 +21,18 @@ from preshard.examples.minimax_h3 import build_model as build_h3
 
 FP8_MAX = 448.0
 BLOCK = 16  # the tiny models' sharded widths are whole 16-blocks at tp=2; tp=4 would cut some (refused)
-QUANTIZED_MODULES = ("blocks.", "transformer_blocks.", "token_refiner.")
+QUANTIZED_MODULES = ("blocks.", "transformer_blocks.", "single_transformer_blocks.", "token_refiner.")
 
 
 def _linear_weights(state: dict[str, torch.Tensor]) -> list[str]:
     """The transformer blocks' Linear weights, as the published fp8 files quantize (the embedders stay: Wan casts
     the timestep to its time embedder's weight dtype)."""
     return [k for k, v in state.items() if k.startswith(QUANTIZED_MODULES) and k.endswith(".weight") and v.dim() == 2]
+
+
+def _all_linear_weights(state: dict[str, torch.Tensor]) -> list[str]:
+    """Every 2-D weight, as a plain `fp8_e4m3fn` cast of a whole model stores it (the issue's failing case)."""
+    return [k for k, v in state.items() if k.endswith(".weight") and v.dim() == 2]
 
 
 def _per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,7 +55,7 @@ def _blocks(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
 def quantized_state(state: dict[str, torch.Tensor], layout: str) -> dict[str, torch.Tensor]:
     """`state` (a float32 Wan) stored the way one published layout stores it."""
     out = dict(state)
-    for name in _linear_weights(state):
+    for name in _linear_weights(state) if layout != "plain_fp8" else _all_linear_weights(state):
         prefix, w = name[: -len("weight")], state[name]
         if layout in ("comfy_scale_weight", "comfy_weight_scale", "modelopt"):
             q, scale = _per_tensor(w)
@@ -58,7 +64,7 @@ def quantized_state(state: dict[str, torch.Tensor], layout: str) -> dict[str, to
             out[name] = q
             out[prefix + weight_key] = scale.reshape(()) if layout == "comfy_weight_scale" else scale.reshape(1)
             out[prefix + input_key] = torch.ones(() if layout == "comfy_weight_scale" else (1,))
-        elif layout == "plain_fp8":
+        elif layout == "plain_fp8":  # a whole-model cast: the embedders too (see _all_linear_weights)
             out[name] = w.to(torch.float8_e4m3fn)
         elif layout == "int8_channel":
             q, scale = _per_channel_int8(w)
@@ -96,6 +102,7 @@ def dequantized(state: dict[str, torch.Tensor], apply_scales: bool = True) -> di
 
 
 H3_LAYOUTS = ("block_fp8", "int8_channel")
+HV_LAYOUTS = ("block_fp8", "comfy_weight_scale")  # HunyuanVideo: packed_rowwise single-stream proj_out
 LAYOUTS = ("comfy_scale_weight", "comfy_weight_scale", "modelopt", "plain_fp8", "int8_channel", "block_fp8")
 
 
@@ -128,6 +135,12 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
         source = _save(root / f"h3-{layout}", {**_config(h3), **extra}, quantized_state(h3_state, layout))
         convert_checkpoint(source, root / f"h3-{layout}-tp2", tp=2, progress=False)
         made[f"h3-{layout}"] = str(source)
+    hv, _ = build_builtin("hunyuanvideo")
+    hv_state = {k: v.contiguous() for k, v in hv.state_dict().items()}
+    for layout in HV_LAYOUTS:
+        source = _save(root / f"hv-{layout}", _config(hv), quantized_state(hv_state, layout))
+        convert_checkpoint(source, root / f"hv-{layout}-tp2", tp=2, progress=False)
+        made[f"hv-{layout}"] = str(source)
     return made
 
 
@@ -149,7 +162,7 @@ def _family(key: str):
             make_inputs(tiny_config(), 37),
             lambda m, x: reference_forward(m, x)[0],
         )
-    model, inputs = build("wan")
+    model, inputs = build_builtin("hunyuanvideo") if key.startswith("hv-") else build("wan")
     return model, inputs, lambda m, x: m(**x, return_dict=False)[0]
 
 
@@ -244,7 +257,9 @@ def _check(got: dict, key: str) -> None:
         assert got["unscaled_diff"] > 1e-2, got
 
 
-@pytest.mark.parametrize("key", [*LAYOUTS, *(f"h3-{layout}" for layout in H3_LAYOUTS)])
+@pytest.mark.parametrize(
+    "key", [*LAYOUTS, *(f"h3-{layout}" for layout in H3_LAYOUTS), *(f"hv-{layout}" for layout in HV_LAYOUTS)]
+)
 def test_each_layout_loads_quantized_and_equals_the_dequantized_unsharded_model(tp2, key):
     for rank in tp2:
         _check(rank[key], key)

@@ -13,10 +13,11 @@ slicing, preshard's reader and the functional collectives, none of which is test
 weight-only dequantization are. On CUDA a scaled matmul (`torch._scaled_mm`) would skip the dequantized copy; it
 is not used (untested without a GPU): every device dequantizes.
 
-A float8 weight is held as its bytes (a uint8 view, `preshard_weight_format` naming its dtype): model code asks a
+A float8 weight is held as its bytes (an int8 view, `preshard_weight_format` naming its dtype): model code asks a
 Linear's first floating parameter for the dtype to cast its input to (diffusers' `get_parameter_dtype`, MiniMax-H3's
 AdaLN, Wan's time embedder), and a float8 weight would have the activations cast to float8 before the layer
-sees them. PEFT likewise casts new LoRA factors to a floating base weight's dtype. `state_dict` and
+sees them; int8, because model code that casts to the weight dtype already excepts int8 (Wan's time embedder).
+PEFT likewise casts new LoRA factors to a floating base weight's dtype. `state_dict` and
 `load_state_dict` see the float8 dtype again (`attach_state_views`).
 """
 
@@ -105,7 +106,7 @@ def attach(net: nn.Module, specs: Mapping[str, QuantSpec], dtype: torch.dtype) -
         weight = module.weight
         if weight.dtype.is_floating_point:  # float8: held as its bytes (see the module docstring)
             setattr(module, "preshard_weight_format", weight.dtype)  # noqa: B010
-            module._parameters["weight"] = nn.Parameter(weight.view(torch.uint8), requires_grad=False)
+            module._parameters["weight"] = nn.Parameter(weight.view(torch.int8), requires_grad=False)
         setattr(module, "preshard_compute_dtype", dtype)  # noqa: B010 (module attributes torch.compile reads)
         setattr(module, "preshard_scale_name", spec.scale.rpartition(".")[2] if spec.scale else None)  # noqa: B010
         setattr(module, "preshard_block", spec.block)  # noqa: B010
@@ -119,7 +120,7 @@ def attach(net: nn.Module, specs: Mapping[str, QuantSpec], dtype: torch.dtype) -
 def _as_stored_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
     key = prefix + "weight"
     value = state_dict.get(key)
-    if value is not None and value.dtype == torch.uint8:
+    if value is not None and value.dtype == torch.int8:
         state_dict[key] = value.view(module.preshard_weight_format)
 
 
@@ -127,7 +128,7 @@ def _as_held_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *a
     key = prefix + "weight"
     value = state_dict.get(key)
     if value is not None and value.dtype == module.preshard_weight_format:
-        state_dict[key] = value.view(torch.uint8)
+        state_dict[key] = value.view(torch.int8)
 
 
 def attach_state_views(net: nn.Module, specs: Mapping[str, QuantSpec]) -> None:
