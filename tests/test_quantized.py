@@ -204,6 +204,13 @@ def _rank(rank: int, world: int, checkpoints: dict[str, str]) -> dict:
             results[f"state_dict_equal {key}"] = sorted(full) == sorted(state) and all(
                 full[k].dtype == state[k].dtype and torch.equal(_bits(full[k]), _bits(state[k])) for k in state
             )
+        if key == "comfy_scale_weight":  # save_pretrained writes what the source stored, float8 and scales
+            saved = Path(source).parent / "saved"
+            net.save_pretrained(saved)
+            written = load_file(str(saved / "diffusion_pytorch_model.safetensors"))
+            results["saved_equal"] = sorted(written) == sorted(state) and all(
+                written[k].dtype == state[k].dtype and torch.equal(_bits(written[k]), _bits(state[k])) for k in state
+            )
         if key == "comfy_scale_weight":  # fullgraph: any graph break is an error
             compiled = torch.compile(net, fullgraph=True, backend="aot_eager")
             with torch.no_grad():
@@ -272,9 +279,10 @@ def test_tp2_ulysses2_equals_the_dequantized_unsharded_model_with_the_cp_hooks_i
         assert rank[key]["cp_hooks"] > 0
 
 
-def test_state_dict_gives_the_stored_tensors_and_scales_compile_has_no_break_and_scales_matter(tp2):
+def test_state_dict_and_save_pretrained_give_the_stored_tensors_compile_has_no_break_and_scales_matter(tp2):
     for rank in tp2:
         assert rank["state_dict_equal int8_channel"] and rank["state_dict_equal comfy_scale_weight"]
+        assert rank["saved_equal"]
         assert rank["compiled_diff"] <= 1e-5
         assert any(h.startswith("quant: int8, channel scale") for h in rank["to_out_hook"]), rank["to_out_hook"]
         assert rank["no_scale_diff"] > 1e-2

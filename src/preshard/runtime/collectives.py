@@ -168,6 +168,8 @@ def all_gather_equal(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.
     moved = tensor.contiguous().unsqueeze(0)
     if len(ranks) == 1:
         return moved
+    if moved.dtype.is_floating_point and moved.dtype.itemsize == 1:  # float8: gloo has none; its bytes gather alike
+        return _gather_dim0(moved.view(torch.int8), group, ranks, "all_gather_equal").view(moved.dtype)
     return _gather_dim0(moved, group, ranks, "all_gather_equal")
 
 

@@ -1,0 +1,141 @@
+"""A quantized MiniMax-H3 checkpoint against its BF16 original, at the real width: bytes per rank, conversion time
+and the time to a loaded model on 2 torchrun ranks, in the same run.
+
+The two sources are written here with seeded random bytes (no weights can be downloaded): the BF16 one as the
+published checkpoint lays it out (`examples.synthetic.minimax_h3_tensors`: the `_keep_in_fp32_modules` in F32),
+and the FP8 one as a published fp8-scaled release of it would be: every BF16 Linear weight of the transformer and
+refiner blocks float8_e4m3fn with a float32 scale beside it (per output channel, `weight_scale` [out]; or
+`--granularity block`, `weight_scale_inv` over 128x128 blocks), the rest as in BF16. Conversion is
+`convert-checkpoint SRC OUT --tp 2` (a whole process); load is `load_sharded` in each of 2 torchrun ranks (gloo,
+CPU), timed from the call to the loaded model (`report.total_seconds`). Repetitions alternate the two formats.
+
+    PYTHONPATH=src python benchmarks/bench_quant.py --layers 2 --reps 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import GB, bench_env, loadavg, timed  # noqa: E402
+
+QUANTIZED_PREFIXES = ("transformer_blocks.", "token_refiner.")
+
+
+def fp8_tensors(tensors: dict, granularity: str) -> dict:
+    """The fp8-scaled release of `tensors`: each BF16 Linear weight of the blocks in float8 with its scale."""
+    out = {}
+    for name, (code, shape) in tensors.items():
+        if name.startswith(QUANTIZED_PREFIXES) and name.endswith(".weight") and len(shape) == 2 and code == "BF16":
+            out[name] = ("F8_E4M3", shape)
+            prefix = name[: -len("weight")]
+            if granularity == "block":
+                out[prefix + "weight_scale_inv"] = ("F32", (-(-shape[0] // 128), -(-shape[1] // 128)))
+            else:
+                out[prefix + "weight_scale"] = ("F32", (shape[0],))
+        else:
+            out[name] = (code, shape)
+    return out
+
+
+def rank_main(checkpoint: str, out_dir: str) -> None:
+    """In each torchrun rank: load, and write what the report says."""
+    import torch
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    from preshard.runtime.load import load_sharded
+
+    torch.set_num_threads(1)
+    model = load_sharded(MiniMaxH3Transformer3DModel, checkpoint, device="cpu")
+    report = model.preshard_report
+    held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    Path(out_dir, f"rank{report.rank}.json").write_text(
+        json.dumps({"total_s": report.total_seconds, "read_s": report.read_seconds, "bytes_read": report.bytes_read,
+                    "held_bytes": held})
+    )  # fmt: skip
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def load_job(checkpoint: Path, work: Path, env: dict[str, str]) -> list[dict]:
+    out = Path(tempfile.mkdtemp(prefix="ranks-", dir=work))
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        os.path.abspath(__file__), "--rank-child", str(checkpoint), "--out", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, check=False)
+    if done.returncode:
+        raise SystemExit(f"torchrun failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    ranks = sorted((json.loads(p.read_text()) for p in out.glob("rank*.json")), key=lambda r: r["held_bytes"])
+    shutil.rmtree(out, ignore_errors=True)
+    return ranks
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--granularity", choices=("channel", "block"), default="channel")
+    parser.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one)")
+    parser.add_argument("--rank-child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rank_child:
+        rank_main(args.rank_child, args.out)
+        return
+
+    from preshard.examples.synthetic import minimax_h3_tensors, total_nbytes, write_safetensors_checkpoint
+
+    work = Path(tempfile.mkdtemp(prefix="bench-quant-", dir=args.work))
+    env = bench_env()
+    print(f"load average at start: {loadavg()}")
+    try:
+        tensors, config = minimax_h3_tensors(num_layers=args.layers)
+        sources = {"bf16": tensors, "fp8": fp8_tensors(tensors, args.granularity)}
+        for kind, specs in sources.items():
+            write_safetensors_checkpoint(work / kind, specs, config, data="random")
+            print(f"{kind}: {total_nbytes(specs) / GB:.2f} GB source, {len(specs)} tensors")
+        metrics = ("convert_s", "convert_cpu_s", "load_s")
+        results: dict[str, dict[str, list[float]]] = {k: {m: [] for m in metrics} for k in sources}
+        held: dict[str, list[int]] = {}
+        for rep in range(args.reps):
+            for kind in sources if rep % 2 == 0 else reversed(list(sources)):
+                out = work / f"{kind}-tp2"
+                shutil.rmtree(out, ignore_errors=True)
+                step = timed(f"convert-checkpoint {work / kind} {out} --tp 2", env, work / f"{kind}.log", 1800)
+                results[kind]["convert_s"].append(step["wall_s"])
+                results[kind]["convert_cpu_s"].append(step["user_s"] + step["sys_s"])
+                ranks = load_job(out, work, env)
+                results[kind]["load_s"].append(max(r["total_s"] for r in ranks))
+                held[kind] = [r["held_bytes"] for r in ranks]
+                print(f"rep {rep} {kind}: convert {step['wall_s']:.1f} s, load {results[kind]['load_s'][-1]:.1f} s")
+        print(f"\nMiniMax-H3 real width, {args.layers} layers, tp=2, {args.granularity} scales; medians of {args.reps}")
+        print(f"{'':6} {'GB per rank (max)':>18} {'convert s':>10} {'convert CPU s':>14} {'load s':>8}")
+        med = {k: {m: statistics.median(v) for m, v in r.items()} for k, r in results.items()}
+        for kind in sources:
+            print(
+                f"{kind:6} {max(held[kind]) / GB:>18.3f} {med[kind]['convert_s']:>10.2f} "
+                f"{med[kind]['convert_cpu_s']:>14.2f} {med[kind]['load_s']:>8.2f}"
+            )
+        ratio = {m: med["fp8"][m] / med["bf16"][m] for m in metrics}
+        print(
+            f"fp8 / bf16: bytes per rank {max(held['fp8']) / max(held['bf16']):.3f}x, convert "
+            f"{ratio['convert_s']:.2f}x, load {ratio['load_s']:.2f}x"
+        )
+        print(f"load average at end: {loadavg()}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
