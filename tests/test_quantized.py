@@ -123,7 +123,7 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
     model, _ = build("wan")
     config = _config(model)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    made = {}
+    made = {"dense": str(_save(root / "dense", config, state))}  # the float32 original, for the plan's figures
     for layout in LAYOUTS:
         source = _save(root / layout, config, quantized_state(state, layout))
         convert_checkpoint(source, root / f"{layout}-tp2", tp=2, progress=False)
@@ -193,6 +193,7 @@ def _compare(key: str, source: str, converted: str, **load) -> tuple[dict, torch
 def _rank(rank: int, world: int, checkpoints: dict[str, str]) -> dict:
     from tiny_lora import make_lora
 
+    from preshard.runtime.load import load_sharded
     from preshard.runtime.tp import unparallelize_linear
 
     results: dict = {}
@@ -215,6 +216,18 @@ def _rank(rank: int, world: int, checkpoints: dict[str, str]) -> dict:
             compiled = torch.compile(net, fullgraph=True, backend="aot_eager")
             with torch.no_grad():
                 results["compiled_diff"] = (compiled(**inputs, return_dict=False)[0] - out).abs().max().item()
+        if key == "h3-int8_channel":  # dtype=: the compute dtype; scales stay as stored
+            bf16 = load_sharded(type(net), source + "-tp2", dtype="bfloat16")
+            with torch.no_grad():
+                got = forward(
+                    bf16, {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in inputs.items()}
+                )
+            adaln = bf16.get_submodule("transformer_blocks.0.adaln_proj.linear")
+            results["bf16"] = {
+                "relative": ((got.float() - out).abs().max() / out.abs().max()).item(),
+                "scale_dtype": str(adaln.weight_scale.dtype),
+                "compute": str(adaln.preshard_compute_dtype),
+            }
         if key == "int8_channel":
             # Negative control: the row-parallel to_out without its scale's dequantization computes another model.
             to_out = net.get_submodule("blocks.0.attn1.to_out.0")
@@ -246,7 +259,7 @@ def _rank_cp(rank: int, world: int, checkpoints: dict[str, str]) -> dict:
 
 @pytest.fixture(scope="module")
 def tp2(checkpoints) -> list[dict]:
-    return run_ranks(_rank, 2, checkpoints, timeout=600)
+    return run_ranks(_rank, 2, {k: v for k, v in checkpoints.items() if k != "dense"}, timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -288,6 +301,13 @@ def test_state_dict_and_save_pretrained_give_the_stored_tensors_compile_has_no_b
         assert rank["no_scale_diff"] > 1e-2
 
 
+def test_a_bf16_compute_dtype_keeps_the_float32_scales(tp2):
+    for rank in tp2:
+        got = rank["bf16"]
+        assert got["scale_dtype"] == "torch.float32" and got["compute"] == "torch.bfloat16", got
+        assert got["relative"] < 5e-2, got
+
+
 def test_a_runtime_lora_on_fp8_shards_equals_the_unsharded_model_with_the_same_lora(tp2):
     for rank in tp2:
         assert rank["lora_effect"] > 1e-2 and rank["lora_diff"] <= 1e-5, rank
@@ -308,6 +328,21 @@ def test_verify_and_unshard_keep_the_quantized_bytes_and_scales(checkpoints, tmp
         unshard_checkpoint(resharded, out, progress=False)
         name = "diffusion_pytorch_model.safetensors"
         assert (out / name).read_bytes() == (source / name).read_bytes()
+
+
+def test_preshard_plan_counts_the_quantized_bytes_each_rank_reads(checkpoints):
+    from preshard.format.manifest import read_manifest
+    from preshard.tools.planner import plan_meshes
+
+    for key in ("comfy_scale_weight", "int8_channel", "block_fp8", "h3-block_fp8"):
+        report = plan_meshes(checkpoints[key])
+        tp2 = next(m for m in report.meshes if m.tp == 2)
+        manifest = read_manifest(checkpoints[key] + "-tp2")
+        assert tp2.read_bytes_per_rank == max(manifest.read_bytes(r) for r in range(2)), key
+    dense = plan_meshes(checkpoints["dense"])
+    quantized = plan_meshes(checkpoints["comfy_scale_weight"])
+    # the split Linear weights: float32 to float8 plus a scale each (the replicated embedders and norms stay)
+    assert quantized.meshes[1].own_bytes_per_rank < 0.3 * dense.meshes[1].own_bytes_per_rank
 
 
 @pytest.mark.quick
