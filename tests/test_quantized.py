@@ -366,13 +366,16 @@ def test_a_block_grid_the_tp_degree_would_cut_names_the_degrees_that_work(tmp_pa
         ({"blocks.0.attn1.to_q.qweight": torch.ones(4, dtype=torch.int32)}, "GPTQ"),
         ({"blocks.0.attn1.to_q.weight_scale": torch.ones(3)}, "fits no scale granularity"),
         ({"blocks.0.attn1.to_k.weight_scale": torch.ones(1)}, "not an fp8/int8 Linear weight"),
+        ({"condition_embedder.time_proj.weight_scale": torch.ones(3)}, "fits no scale granularity"),  # replicated
+        ({"blocks.0.attn1.to_q.weight_scale": torch.ones(1, dtype=torch.int32)}, "a weight scale is stored in"),
     ],
 )
 def test_layouts_and_scales_preshard_does_not_handle_are_refused_in_one_line(tmp_path, extra, message):
     model, _ = build("wan")
     config = _config(model)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    state["blocks.0.attn1.to_q.weight"] = state["blocks.0.attn1.to_q.weight"].to(torch.float8_e4m3fn)
+    for name in ("blocks.0.attn1.to_q.weight", "condition_embedder.time_proj.weight"):
+        state[name] = state[name].to(torch.float8_e4m3fn)
     source = _save(tmp_path / "src", config, {**state, **extra})
     with pytest.raises(PlanError, match=message) as info:
         convert_checkpoint(source, tmp_path / "out", tp=2, progress=False)

@@ -27,7 +27,7 @@ from typing import Any
 from preshard.errors import PlanError
 from preshard.format.dtypes import DType, as_dtype, cast_dtype
 from preshard.format.layout import TensorLayout
-from preshard.format.quant import companion_style, is_companion, refuse_unsupported
+from preshard.format.quant import companion_style, is_companion, recognise
 from preshard.format.styles import REPLICATE, STYLES, Style, make_style
 
 PLAN_FORMAT = 1
@@ -472,7 +472,7 @@ def resolve_plan(
     resolved: dict[str, TensorLayout] = {}
     cast = as_dtype(cast) if cast is not None else None
     hits = {rule.match: 0 for rule in plan.linear}
-    refuse_unsupported(tensors)
+    recognise(tensors, config)  # a quantized layout preshard does not handle, or a scale that fits no weight
     for name, (shape, dtype) in tensors.items():
         module = name.rpartition(".")[0]
         rules = [rule for rule in plan.linear if matches(rule.match, module)]
