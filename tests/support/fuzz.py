@@ -61,6 +61,8 @@ def mutated(draw, base, paths):
             current = parent[path[-1]]
         except (KeyError, IndexError, TypeError):
             continue
+        if not isinstance(parent, (dict, list)):  # an earlier edit left a string here: indexable, not editable
+            continue
         op = draw(st.sampled_from(["drop", "replace", "perturb", "perturb"]))
         if op == "drop":
             del parent[path[-1]]
