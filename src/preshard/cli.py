@@ -27,7 +27,7 @@ import click
 
 from preshard import __version__
 from preshard.converter.signals import command_scope, interruption, received_signal
-from preshard.errors import Interrupted, PreshardError, ResourceError
+from preshard.errors import Interrupted, PreshardError, ResourceError, UsageError
 
 EXIT_PROBLEMS, EXIT_USAGE = 1, 2
 EXIT_CODES_HELP = (
@@ -241,6 +241,14 @@ class _ConvertCommand(Command):
     "--lora-scale", type=float, multiple=True, metavar="S", help="Scale of the --lora before it (default 1.0)."
 )
 @_hub_options()
+@click.option(
+    "--component",
+    "component_choices",
+    multiple=True,
+    metavar="NAME:CHOICE",
+    help="For a pipeline folder: NAME:tp=N shards it at TP degree N, NAME:whole copies it, NAME:skip leaves it out "
+    "(default: transformers sharded, the rest copied). Repeatable.",
+)
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it is a preshard checkpoint.")
 @click.option("--wait", is_flag=True, help="Wait for another conversion into OUTPUT to finish instead of failing.")
 @click.option(
@@ -260,8 +268,8 @@ class _ConvertCommand(Command):
 @click.version_option(__version__, "--version", prog_name="convert-checkpoint")
 @user_errors
 def convert_checkpoint_command(
-    source, output, tp, cp, ring, ulysses, order, plan, dtype, subfolder, revision, token, overwrite, wait, dry_run,
-    workers, as_json, quiet, progress, loras,
+    source, output, tp, cp, ring, ulysses, order, plan, dtype, subfolder, revision, token, component_choices,
+    overwrite, wait, dry_run, workers, as_json, quiet, progress, loras,
 ):  # fmt: skip
     """Slice SOURCE (.safetensors file, diffusers weights folder or Hub repo id) into per-rank shards in OUTPUT.
 
@@ -271,6 +279,16 @@ def convert_checkpoint_command(
     from preshard.converter.convert import ConversionOutcome, convert_checkpoint, resolve_mesh
 
     progress = _progress(progress, quiet)
+    from preshard.converter.pipeline_folder import is_pipeline_folder
+
+    if subfolder is None and is_pipeline_folder(source):
+        _convert_pipeline_folder(
+            source, output, tp, cp, ring, ulysses, order, plan, dtype, revision, component_choices, overwrite, wait,
+            dry_run, workers, as_json, quiet, progress, loras,
+        )  # fmt: skip
+        return
+    if component_choices:
+        raise UsageError("--component applies to a pipeline folder (with model_index.json); drop it")
     if dry_run:
         from preshard.tools.planner import dry_run as plan_dry_run
         from preshard.tools.planner import dry_run_json, dry_run_text
@@ -299,6 +317,40 @@ def convert_checkpoint_command(
     data = {"command": "convert", "status": outcome.status, **_manifest_summary(manifest, output)}
     data |= {"kept_tensors": outcome.kept_tensors, "kept_bytes": outcome.kept_bytes, "seconds": round(seconds, 3)}
     _emit(data, outcome_line(manifest, output, outcome), as_json, quiet)
+
+
+def _convert_pipeline_folder(
+    source, output, tp, cp, ring, ulysses, order, plan, dtype, revision, component_choices, overwrite, wait, dry_run,
+    workers, as_json, quiet, progress, loras,
+) -> None:  # fmt: skip
+    """convert-checkpoint on a pipeline folder: every component in one conversion (converter/pipeline_folder.py)."""
+    from preshard.converter.pipeline_folder import convert_pipeline
+
+    for given, option in ((dry_run, "--dry-run"), (loras, "--lora"), (revision, "--revision")):
+        if given:
+            raise UsageError(f"{option} is not supported on a pipeline folder; use it with --subfolder NAME")
+    started = time.perf_counter()
+    outcomes: dict = {}
+    record = convert_pipeline(
+        source, output, tp=tp, cp=cp, ring=ring, ulysses=ulysses, order=order, components=component_choices,
+        plan=plan, dtype=dtype, overwrite=overwrite, wait=wait, progress=progress, workers=workers, outcomes=outcomes,
+    )  # fmt: skip
+    seconds = time.perf_counter() - started
+    components = {
+        name: c.to_dict() | ({"status": outcomes[name].status} if name in outcomes else {})
+        for name, c in record.components.items()
+    }
+    data: dict[str, object] = {"command": "convert", "output": str(output), "pipeline": record.pipeline_class}
+    data["mesh"] = record.mesh
+    data |= {"components": components, "seconds": round(seconds, 3)}
+    text = "\n".join(
+        [f"pipeline {record.pipeline_class} in {output}:"]
+        + [
+            f"  {name}: {c.treatment}" + (f" at tp={c.tp} ({outcomes[name].status})" if name in outcomes else "")
+            for name, c in record.components.items()
+        ]
+    )
+    _emit(data, text, as_json, quiet)
 
 
 @click.group(cls=Group, context_settings=CONTEXT, epilog=EXIT_CODES_HELP)

@@ -13,6 +13,7 @@ Used by the pipeline tests and by `examples/minimax_h3_generate.py --tiny`.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -136,3 +137,25 @@ def generate(
         prompt=prompt, height=height, width=width, num_frames=num_frames, num_inference_steps=steps + 1,
         generator=generator, output=list(outputs),
     )  # fmt: skip
+
+
+def pipeline_blocks():
+    """MiniMax-H3's modular blocks without the decode step (the tiny pipeline has no VAE)."""
+    from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import MiniMaxH3Blocks
+
+    blocks = MiniMaxH3Blocks()
+    blocks.sub_blocks.pop("decode")
+    return blocks
+
+
+def save_pipeline_folder(folder: str | Path, transformer: torch.nn.Module, components: dict[str, Any]) -> Path:
+    """The tiny pipeline as a modular pipeline folder (`modular_model_index.json` and a folder per component), as
+    MiniMax-H3 ships. The processor is left out (saving it needs a video processor, which needs torchvision): pass
+    it in memory when loading.
+
+    Returns:
+        The folder.
+    """
+    pipe = build_pipeline(transformer, {k: v for k, v in components.items() if k != "processor"})
+    pipe.save_pretrained(str(folder), overwrite_modular_index=True)
+    return Path(folder)
