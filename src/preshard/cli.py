@@ -518,18 +518,40 @@ def unshard_command(checkpoint, output, subfolder, revision, token, overwrite, w
 )
 @click.option("--plan", "plan", default=None, help="Built-in plan name or JSON plan file (default: from config.json).")
 @click.option("--dtype", default=None, help="Plan for a cast: bf16, fp16 or fp32 (default: keep each dtype).")
+@click.option(
+    "--component",
+    "component_choices",
+    multiple=True,
+    metavar="NAME:CHOICE",
+    help="For a pipeline folder, as convert-checkpoint takes it: NAME:tp=N, NAME:whole or NAME:skip. Repeatable.",
+)
 @_hub_options()
 @_output_options
 @user_errors
-def plan_command(source, devices, device_memory, plan, dtype, subfolder, revision, token, as_json, quiet, progress):
+def plan_command(
+    source, devices, device_memory, plan, dtype, component_choices, subfolder, revision, token, as_json, quiet, progress
+):  # fmt: skip
     """Which TP x CP meshes fit: per-rank weights, load reads and disk, from safetensors headers only.
 
     SOURCE is a local checkpoint or a Hub repo id (headers read with ranged requests; no weights downloaded).
     Every TP degree the plan allows up to --devices is listed, with every ring x ulysses split of the remaining
     devices. Weights only: activations and the compiler's workspace come on top.
     """
+    from preshard.converter.pipeline_folder import is_pipeline_folder
     from preshard.tools.planner import plan_json, plan_meshes, plan_table
 
+    if subfolder is None and is_pipeline_folder(source):
+        from preshard.tools.pipeline_plan import pipeline_plan_json, pipeline_plan_table, plan_pipeline_job
+
+        if devices is None or plan is not None:
+            raise UsageError("on a pipeline folder, pass --devices N (and no --plan; use --subfolder NAME for that)")
+        job = plan_pipeline_job(
+            source, devices=devices, device_memory_gib=device_memory, dtype=dtype, components=component_choices
+        )
+        _emit({"command": "plan", **pipeline_plan_json(job)}, pipeline_plan_table(job), as_json, quiet)
+        return
+    if component_choices:
+        raise UsageError("--component applies to a pipeline folder (with model_index.json); drop it")
     with _hub_progress(bool(progress) and not quiet):  # headers only: bars only when asked for
         report = plan_meshes(
             source, devices=devices, device_memory_gib=device_memory, plan=plan, dtype=dtype, subfolder=subfolder,

@@ -159,3 +159,57 @@ def save_pipeline_folder(folder: str | Path, transformer: torch.nn.Module, compo
     pipe = build_pipeline(transformer, {k: v for k, v in components.items() if k != "processor"})
     pipe.save_pretrained(str(folder), overwrite_modular_index=True)
     return Path(folder)
+
+
+# MiniMax-H3's conditioner as Qwen3-VL-32B's shapes (64 decoder layers 5120 wide, 64 query and 8 key/value heads of
+# 128, ffn 25600, a 27-block vision tower 1152 wide): 33.4 B parameters, as the issue counts them. Shapes only, for
+# `preshard plan` over headers: written from Qwen3-VL-32B's published config, untested against H3's own files.
+FULL_CONDITIONER = dict(
+    text_config=dict(
+        vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+    ),
+    vision_config=dict(
+        depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=5120, patch_size=16,
+        spatial_merge_size=2, temporal_patch_size=2, deepstack_visual_indexes=[8, 16, 24],
+    ),
+)  # fmt: skip
+
+
+def write_full_size_pipeline(folder: str | Path) -> Path:
+    """MiniMax-H3's pipeline folder at full size as safetensors headers over holes (no data, no disk): the
+    transformer (the class defaults) and the conditioner (`FULL_CONDITIONER`), bf16, with the modular index naming
+    them and the two schedulers. For `preshard plan PIPELINE` and the memory table.
+
+    Returns:
+        The folder.
+    """
+    import json
+
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    from preshard.examples.synthetic import minimax_h3_tensors, write_safetensors_checkpoint
+
+    folder = Path(folder)
+    tensors, config = minimax_h3_tensors()
+    write_safetensors_checkpoint(folder / "transformer", tensors, config, data="hole")
+    conditioner = Qwen3VLConfig(**FULL_CONDITIONER)
+    with torch.device("meta"):
+        model = Qwen3VLForConditionalGeneration(conditioner)
+    specs = {name: ("BF16", tuple(t.shape)) for name, t in model.state_dict().items()}
+    write_safetensors_checkpoint(folder / "text_encoder", specs, {}, data="hole")
+    conditioner.save_pretrained(folder / "text_encoder")  # transformers' config.json over the placeholder
+    for name, shift in (("scheduler", 12.0), ("audio_scheduler", 3.0)):
+        (folder / name).mkdir(exist_ok=True)
+        scheduler = {"_class_name": "MiniMaxH3Scheduler", "shift": shift}
+        (folder / name / "scheduler_config.json").write_text(json.dumps(scheduler))
+    index = {
+        "_class_name": "MiniMaxH3ModularPipeline",
+        "_blocks_class_name": "MiniMaxH3Blocks",
+        "transformer": ["diffusers", "MiniMaxH3Transformer3DModel", {"subfolder": "transformer"}],
+        "text_encoder": ["transformers", "Qwen3VLForConditionalGeneration", {"subfolder": "text_encoder"}],
+        "scheduler": ["diffusers", "MiniMaxH3Scheduler", {"subfolder": "scheduler"}],
+        "audio_scheduler": ["diffusers", "MiniMaxH3Scheduler", {"subfolder": "audio_scheduler"}],
+    }
+    (folder / "modular_model_index.json").write_text(json.dumps(index, indent=2))
+    return folder
