@@ -138,12 +138,29 @@ def test_the_copy_is_complete(sources, converted, name):
         "transformer": "sharded"
     }
     assert read_manifest(out / "transformer").mesh.tp == 2
-    want = {k: v for k, v in _files(source).items() if not k.startswith("transformer/")}
-    got = {k: v for k, v in _files(out).items() if not k.startswith("transformer/") and k != "preshard_pipeline.json"}
+    rewritten = {n for n, c in record.components.items() if c.left_out is not None}
+    assert rewritten == ({"text_encoder"} if name == "h3" else set())  # MiniMax-H3 documents what it reads
+
+    def kept(path: str) -> bool:
+        return path.split("/")[0] not in {"transformer", *rewritten}
+
+    want = {k: v for k, v in _files(source).items() if kept(k)}
+    got = {k: v for k, v in _files(out).items() if kept(k) and k != "preshard_pipeline.json"}
     assert json.loads(got.pop(record.index_name)) == json.loads(want.pop(record.index_name))
     assert got == want  # every other file, byte for byte, and nothing else
     for n, c in record.components.items():
         assert c.treatment in ("sharded", "whole"), n
+    for n in rewritten:  # the kept tensors byte for byte, the left-out ones absent
+        from safetensors import safe_open
+
+        left = record.components[n].left_out
+        with (
+            safe_open(source / n / "model.safetensors", "pt") as a,
+            safe_open(out / n / "model.safetensors", "pt") as b,
+        ):
+            assert set(b.keys()) < set(a.keys()) and len(a.keys()) - len(b.keys()) == left.tensors
+            assert all(torch.equal(a.get_tensor(k), b.get_tensor(k)) for k in b.keys())
+            assert "lm_head.weight" in a.keys() and "lm_head.weight" not in b.keys()
 
 
 @pytest.mark.quick
@@ -256,4 +273,48 @@ def test_subfolder_still_converts_one_component(sources, tmp_path):
     assert run.exit_code == 0, run.stderr
     assert (out / "manifest.json").is_file() and not (out / "preshard_pipeline.json").exists()
     run = cli_runner().invoke(convert_checkpoint_command, [*args[:-1], "--component", "vae:skip"])
-    assert run.exit_code != 0 and "--component applies to a pipeline folder" in run.stderr
+    assert run.exit_code != 0 and "--component and --keep-layers apply to a pipeline folder" in run.stderr
+
+
+def test_the_conditioner_without_its_unread_layers(tmp_path):
+    """MiniMax-H3 reads hidden_states[50]: of a 54-layer conditioner, layers 51-53 and the head are left out by
+    default; hidden_states[0..50] equal the whole model's, a later one (or [-1], or the head) is refused in one
+    line. Negative control: the whole model's hidden_states[51] differs from what the truncated one holds there."""
+    from preshard.converter.pipeline_folder import convert_pipeline
+    from preshard.errors import UsageError
+    from preshard.examples import minimax_h3_pipeline as h3
+    from preshard.runtime.pipeline_load import load_pipeline
+
+    components = h3.build_text_components(layers=54)
+    h3.save_pipeline_folder(tmp_path / "src", h3.build_transformer(), components)
+    record = convert_pipeline(tmp_path / "src", tmp_path / "out", tp=1, progress=False)
+    left = record.components["text_encoder"].left_out
+    assert left is not None and (left.keep_layers, left.layers, left.names) == (51, 54, ("lm_head",))
+    assert left.tensors == 3 * 11 + 1  # three decoder layers of 11 tensors, and the head
+    pipe = load_pipeline(
+        tmp_path / "out", components={"processor": components["processor"]}, blocks=h3.pipeline_blocks()
+    )
+    encoder = pipe.text_encoder
+    assert encoder.preshard_left_out == left and encoder.config.text_config.num_hidden_layers == 51
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    with torch.no_grad():
+        whole = components["text_encoder"].model(input_ids=ids, output_hidden_states=True, use_cache=False)
+        truncated = encoder.model(input_ids=ids, output_hidden_states=True, use_cache=False)
+    assert torch.equal(truncated.hidden_states[50], whole.hidden_states[50])
+    assert torch.equal(truncated.hidden_states[:51][7], whole.hidden_states[7])
+    assert not torch.equal(tuple.__getitem__(truncated.hidden_states, 51), whole.hidden_states[51])  # why refuse
+    for call in (
+        lambda: truncated.hidden_states[51],
+        lambda: truncated.hidden_states[-1],
+        lambda: truncated.hidden_states[40:],
+        lambda: encoder(input_ids=ids),  # the top-level forward needs the head
+    ):
+        with pytest.raises(UsageError, match="was left out of this conversion") as info:
+            call()
+        assert "\n" not in str(info.value) and "--keep-layers text_encoder:all" in str(info.value)
+    kept_all = convert_pipeline(
+        tmp_path / "src", tmp_path / "all", tp=1, progress=False, keep_layers=["text_encoder:all"]
+    )
+    assert kept_all.components["text_encoder"].left_out is None
+    with pytest.raises(UsageError, match="applies to a component copied whole"):
+        convert_pipeline(tmp_path / "src", tmp_path / "no", tp=1, progress=False, keep_layers=["transformer:3"])

@@ -22,10 +22,28 @@ def h3_full(tmp_path_factory):
     return write_full_size_pipeline(tmp_path_factory.mktemp("h3-full") / "H3")
 
 
-def _header_bytes(folder) -> int:
+def _header_bytes(folder, keep=None) -> int:
+    from preshard.converter.left_out import is_left_out
     from preshard.sources.safetensors_file import read_header
 
-    return sum(e.nbytes for f in folder.glob("*.safetensors") for e in read_header(f).tensors.values())
+    return sum(
+        e.nbytes
+        for f in folder.glob("*.safetensors")
+        for e in read_header(f).tensors.values()
+        if keep is None or not is_left_out(e.name, keep)
+    )
+
+
+def test_what_leaving_out_the_unread_layers_saves(h3_full):
+    """By default the conditioner keeps decoder layers 0-50 (MiniMax-H3 reads hidden_states[50]): 13 layers and
+    the head, 7.1 B parameters, are not counted."""
+    from preshard.tools.pipeline_plan import plan_pipeline_job
+
+    whole, kept = _header_bytes(h3_full / "text_encoder"), _header_bytes(h3_full / "text_encoder", keep=51)
+    assert 7.0e9 < (whole - kept) / 2 < 7.2e9  # bf16 parameters left out
+    job = plan_pipeline_job(h3_full, devices=8, device_memory_gib=24)
+    assert {m.per_component["text_encoder"] for m in job.meshes} == {kept}
+    assert job.recommended is None  # 48.9 GiB whole on every rank still fits no 24 GiB device
 
 
 @pytest.mark.parametrize("devices", [8, 32])
@@ -33,7 +51,7 @@ def test_full_size_h3_on_24_gib_devices(h3_full, devices):
     from preshard.tools.pipeline_plan import plan_pipeline_job
     from preshard.tools.planner import plan_meshes
 
-    job = plan_pipeline_job(h3_full, devices=devices, device_memory_gib=24)
+    job = plan_pipeline_job(h3_full, devices=devices, device_memory_gib=24, keep_layers=["text_encoder:all"])
     assert job.treatments == {
         "transformer": "sharded", "text_encoder": "whole", "scheduler": "whole", "audio_scheduler": "whole"
     }  # fmt: skip
@@ -61,14 +79,18 @@ def test_full_size_h3_on_4_gpus_of_80_gib_and_the_command(h3_full):
 
     from preshard.cli import main
 
-    run = cli_runner().invoke(main, ["plan", str(h3_full), "--devices", "4", "--device-memory", "80", "--json"])
+    args = ["plan", str(h3_full), "--devices", "4", "--device-memory", "80", "--keep-layers", "text_encoder:all"]
+    run = cli_runner().invoke(main, [*args, "--json"])
     assert run.exit_code == 0, run.stderr
     data = json.loads(run.stdout)
     best = data["recommended"]
     assert best["tp"] == 4 and best["total_bytes_per_rank"] <= 80 * GIB  # tp=2 with the whole conditioner: 93 GiB
     assert [m for m in data["meshes"] if m["fits"]] == [best]
-    text = cli_runner().invoke(main, ["plan", str(h3_full), "--devices", "4", "--device-memory", "80"]).stdout
+    text = cli_runner().invoke(main, args).stdout
     assert "text_encoder" in text and "recommended: tp=4" in text
+    # Without the unread layers (the default), tp=2 fits too, and is the smallest TP degree that does.
+    data = json.loads(cli_runner().invoke(main, [*args[:-2], "--json"]).stdout)
+    assert (data["recommended"]["tp"], data["recommended"]["ulysses"]) == (2, 2)
 
 
 @pytest.mark.quick

@@ -249,6 +249,14 @@ class _ConvertCommand(Command):
     help="For a pipeline folder: NAME:tp=N shards it at TP degree N, NAME:whole copies it, NAME:skip leaves it out "
     "(default: transformers sharded, the rest copied). Repeatable.",
 )
+@click.option(
+    "--keep-layers",
+    "keep_layers",
+    multiple=True,
+    metavar="NAME:K",
+    help="For a pipeline folder: keep the first K decoder layers of text encoder NAME and leave out the rest and its "
+    "head; NAME:all keeps everything (default: what the pipeline documents it reads). Repeatable.",
+)
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it is a preshard checkpoint.")
 @click.option("--wait", is_flag=True, help="Wait for another conversion into OUTPUT to finish instead of failing.")
 @click.option(
@@ -269,7 +277,7 @@ class _ConvertCommand(Command):
 @user_errors
 def convert_checkpoint_command(
     source, output, tp, cp, ring, ulysses, order, plan, dtype, subfolder, revision, token, component_choices,
-    overwrite, wait, dry_run, workers, as_json, quiet, progress, loras,
+    keep_layers, overwrite, wait, dry_run, workers, as_json, quiet, progress, loras,
 ):  # fmt: skip
     """Slice SOURCE (.safetensors file, diffusers weights folder or Hub repo id) into per-rank shards in OUTPUT.
 
@@ -283,12 +291,12 @@ def convert_checkpoint_command(
 
     if subfolder is None and is_pipeline_folder(source):
         _convert_pipeline_folder(
-            source, output, tp, cp, ring, ulysses, order, plan, dtype, revision, component_choices, overwrite, wait,
-            dry_run, workers, as_json, quiet, progress, loras,
+            source, output, tp, cp, ring, ulysses, order, plan, dtype, revision, component_choices, keep_layers,
+            overwrite, wait, dry_run, workers, as_json, quiet, progress, loras,
         )  # fmt: skip
         return
-    if component_choices:
-        raise UsageError("--component applies to a pipeline folder (with model_index.json); drop it")
+    if component_choices or keep_layers:
+        raise UsageError("--component and --keep-layers apply to a pipeline folder (with model_index.json); drop them")
     if dry_run:
         from preshard.tools.planner import dry_run as plan_dry_run
         from preshard.tools.planner import dry_run_json, dry_run_text
@@ -320,8 +328,8 @@ def convert_checkpoint_command(
 
 
 def _convert_pipeline_folder(
-    source, output, tp, cp, ring, ulysses, order, plan, dtype, revision, component_choices, overwrite, wait, dry_run,
-    workers, as_json, quiet, progress, loras,
+    source, output, tp, cp, ring, ulysses, order, plan, dtype, revision, component_choices, keep_layers, overwrite,
+    wait, dry_run, workers, as_json, quiet, progress, loras,
 ) -> None:  # fmt: skip
     """convert-checkpoint on a pipeline folder: every component in one conversion (converter/pipeline_folder.py)."""
     from preshard.converter.pipeline_folder import convert_pipeline
@@ -334,6 +342,7 @@ def _convert_pipeline_folder(
     record = convert_pipeline(
         source, output, tp=tp, cp=cp, ring=ring, ulysses=ulysses, order=order, components=component_choices,
         plan=plan, dtype=dtype, overwrite=overwrite, wait=wait, progress=progress, workers=workers, outcomes=outcomes,
+        keep_layers=keep_layers,
     )  # fmt: skip
     seconds = time.perf_counter() - started
     components = {
@@ -346,7 +355,9 @@ def _convert_pipeline_folder(
     text = "\n".join(
         [f"pipeline {record.pipeline_class} in {output}:"]
         + [
-            f"  {name}: {c.treatment}" + (f" at tp={c.tp} ({outcomes[name].status})" if name in outcomes else "")
+            f"  {name}: {c.treatment}"
+            + (f" at tp={c.tp} ({outcomes[name].status})" if name in outcomes else "")
+            + (f", layers 0-{c.left_out.keep_layers - 1} of {c.left_out.layers} kept" if c.left_out else "")
             for name, c in record.components.items()
         ]
     )
@@ -525,11 +536,19 @@ def unshard_command(checkpoint, output, subfolder, revision, token, overwrite, w
     metavar="NAME:CHOICE",
     help="For a pipeline folder, as convert-checkpoint takes it: NAME:tp=N, NAME:whole or NAME:skip. Repeatable.",
 )
+@click.option(
+    "--keep-layers",
+    "keep_layers",
+    multiple=True,
+    metavar="NAME:K",
+    help="For a pipeline folder, as convert-checkpoint.",
+)
 @_hub_options()
 @_output_options
 @user_errors
 def plan_command(
-    source, devices, device_memory, plan, dtype, component_choices, subfolder, revision, token, as_json, quiet, progress
+    source, devices, device_memory, plan, dtype, component_choices, keep_layers, subfolder, revision, token, as_json,
+    quiet, progress,
 ):  # fmt: skip
     """Which TP x CP meshes fit: per-rank weights, load reads and disk, from safetensors headers only.
 
@@ -546,12 +565,13 @@ def plan_command(
         if devices is None or plan is not None:
             raise UsageError("on a pipeline folder, pass --devices N (and no --plan; use --subfolder NAME for that)")
         job = plan_pipeline_job(
-            source, devices=devices, device_memory_gib=device_memory, dtype=dtype, components=component_choices
-        )
+            source, devices=devices, device_memory_gib=device_memory, dtype=dtype, components=component_choices,
+            keep_layers=keep_layers,
+        )  # fmt: skip
         _emit({"command": "plan", **pipeline_plan_json(job)}, pipeline_plan_table(job), as_json, quiet)
         return
-    if component_choices:
-        raise UsageError("--component applies to a pipeline folder (with model_index.json); drop it")
+    if component_choices or keep_layers:
+        raise UsageError("--component and --keep-layers apply to a pipeline folder (with model_index.json); drop them")
     with _hub_progress(bool(progress) and not quiet):  # headers only: bars only when asked for
         report = plan_meshes(
             source, devices=devices, device_memory_gib=device_memory, plan=plan, dtype=dtype, subfolder=subfolder,

@@ -26,7 +26,7 @@ import hashlib
 import json
 import shutil
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ from preshard.converter.convert import (
     plan_conversion,
     resolve_mesh,
 )
+from preshard.converter.left_out import copy_keeping_layers, documented_keep, parse_keep_layers
 from preshard.converter.workdir import (
     JOB_NAME,
     OutputKind,
@@ -54,6 +55,7 @@ from preshard.format.mesh import MeshSpec
 from preshard.format.pipeline_record import (
     PIPELINE_RECORD_NAME,
     ComponentRecord,
+    LeftOut,
     PipelineIndex,
     PipelineRecord,
     is_pipeline_record,
@@ -164,8 +166,11 @@ def plan_pipeline(
     return planned
 
 
-def _job_key(source: Path, mesh: MeshSpec, planned: list[ComponentPlan], dtype: Any, plan: Any) -> str:
+def _job_key(
+    source: Path, mesh: MeshSpec, planned: list[ComponentPlan], dtype: Any, plan: Any, keeps: dict[str, int]
+) -> str:
     what = {
+        "keep_layers": keeps,
         "source": str(source.resolve()),
         "mesh": mesh.to_dict(),
         "components": {p.record.name: p.record.to_dict() for p in planned},
@@ -193,6 +198,28 @@ def _output_index(index: PipelineIndex, planned: list[ComponentPlan]) -> str:
     return json.dumps(data, indent=2) + "\n"
 
 
+def layers_to_keep(
+    index: PipelineIndex, planned: list[ComponentPlan], given: Iterable[str] | dict[str, int | None] | None
+) -> dict[str, int]:
+    """Layers to keep per whole component: the user's `--keep-layers`, else what the pipeline documents."""
+    asked = dict(given) if isinstance(given, dict) else dict(parse_keep_layers(t) for t in (given or []))
+    by_name = {p.record.name: p for p in planned}
+    keeps: dict[str, int] = {}
+    for name, keep in asked.items():
+        p = by_name.get(name)
+        if p is None or p.record.treatment != "whole":
+            what = "no such component" if p is None else f"{name} is {p.record.treatment}"
+            raise UsageError(f"--keep-layers {name}: {what}; it applies to a component copied whole (a text encoder)")
+        if keep is not None:
+            keeps[name] = keep
+    for p in planned:
+        if p.record.name not in asked and p.record.treatment == "whole":
+            documented = documented_keep(index.pipeline_class, p.record.name, index.data)
+            if documented is not None:
+                keeps[p.record.name] = documented
+    return keeps
+
+
 def _finished_pipeline(
     src: Path, output: Path, job: str, planned: list[ComponentPlan], mesh: MeshSpec, plan: Any, dtype: Any
 ) -> PipelineRecord | None:
@@ -216,6 +243,11 @@ def _finished_pipeline(
             if finished_conversion(conversion, output / p.record.name) is None:
                 return None
             continue
+        if existing := record.components.get(p.record.name):
+            if existing.left_out is not None:  # rewritten, not copied: its folder must be there (the job key holds
+                if not (output / p.record.name / CONFIG_NAME).is_file():  # the choice; the source is not re-read)
+                    return None
+                continue
         for f in p.folder.rglob("*"):
             if f.is_file():
                 copy = output / p.record.name / f.relative_to(p.folder)
@@ -243,6 +275,7 @@ def convert_pipeline(
     progress: bool | None = None,
     workers: int = 1,
     outcomes: dict[str, ConversionOutcome] | None = None,
+    keep_layers: Iterable[str] | dict[str, int | None] | None = None,
 ) -> PipelineRecord:
     """Convert a diffusers pipeline folder into OUT: sharded components converted, the rest copied.
 
@@ -258,6 +291,9 @@ def convert_pipeline(
         overwrite: replace an existing converted pipeline at `output`.
         wait: wait for another conversion into `output` instead of failing at once.
         outcomes: filled in with each sharded component's `ConversionOutcome` (converted, resumed, already converted).
+        keep_layers: `{name: K}` or strings `NAME:K` keep a whole text encoder's first K decoder layers and leave out
+            the rest and its head (`converter/left_out.py`); `NAME:all` (None) leaves nothing out. Default: where the
+            pipeline documents the hidden state it reads (MiniMax-H3: hidden_states[50], so 51 layers of 64).
 
     Returns:
         The pipeline record written to `output/preshard_pipeline.json`.
@@ -283,13 +319,14 @@ def convert_pipeline(
     else:
         choices = dict(parse_component_choice(text) for text in components)
     planned = plan_pipeline(src, index, job_mesh, choices)
+    keeps = layers_to_keep(index, planned, keep_layers)
     sharded = [p for p in planned if p.record.treatment == "sharded"]
     if plan is not None and len(sharded) != 1:
         raise UsageError(
             f"--plan applies to one component, but {len(sharded)} are sharded; convert one with --subfolder NAME "
             "--plan ..., or leave --plan out"
         )
-    job = _job_key(src, job_mesh, planned, dtype, plan)
+    job = _job_key(src, job_mesh, planned, dtype, plan, keeps)
     if not overwrite:
         finished = _finished_pipeline(src, Path(output), job, planned, job_mesh, plan, dtype)
         if finished is not None:
@@ -301,13 +338,17 @@ def convert_pipeline(
     make_parents(out)
     with OutputLock(out, wait=wait):
         work = partial_dir(out)
+        left_out: dict[str, LeftOut | None] = {}
         open_workdir(work, job)
         for p in planned:
             if p.folder is None or p.record.treatment == "skipped":
                 continue
             target = work / p.record.name
             if p.record.treatment == "whole":
-                _copy_tree(p.folder, target)
+                left = copy_keeping_layers(p.folder, target, keeps[p.record.name]) if p.record.name in keeps else None
+                if left is None:
+                    _copy_tree(p.folder, target)
+                left_out[p.record.name] = left
                 continue
             component_mesh = job_mesh if p.record.tp == job_mesh.tp else MeshSpec.build(p.record.tp)
             convert_checkpoint(
@@ -323,7 +364,7 @@ def convert_pipeline(
             index_name=index.file_name,
             pipeline_class=index.pipeline_class,
             mesh=job_mesh.to_dict(),
-            components={p.record.name: p.record for p in planned},
+            components={p.record.name: replace(p.record, left_out=left_out.get(p.record.name)) for p in planned},
             source=str(source),
             created=created_now(),
             job=job,

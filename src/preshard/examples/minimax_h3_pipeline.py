@@ -55,8 +55,8 @@ def _processor_class():
     return TinyQwen3VLProcessor
 
 
-def build_text_components(seed: int = 0) -> dict[str, Any]:
-    """Tokenizer, processor and a seeded random Qwen3-VL conditioner, all built in memory."""
+def build_text_components(seed: int = 0, layers: int = TEXT_LAYERS) -> dict[str, Any]:
+    """Tokenizer, processor and a seeded random Qwen3-VL conditioner of `layers` decoder layers, built in memory."""
     from transformers import Qwen2TokenizerFast, Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     try:
@@ -71,7 +71,7 @@ def build_text_components(seed: int = 0) -> dict[str, Any]:
     ids = {name: tokenizer.convert_tokens_to_ids(name) for name in _SPECIAL}
     config = Qwen3VLConfig(
         text_config=dict(
-            vocab_size=len(tokenizer), hidden_size=TEXT_DIM, intermediate_size=32, num_hidden_layers=TEXT_LAYERS,
+            vocab_size=len(tokenizer), hidden_size=TEXT_DIM, intermediate_size=32, num_hidden_layers=layers,
             num_attention_heads=2, num_key_value_heads=1, head_dim=20,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 3, 3],
                              "mrope_interleaved": True},

@@ -87,6 +87,30 @@ def read_pipeline_index(folder: Path, error: type[PreshardError] = SourceError) 
 
 
 @dataclass(frozen=True)
+class LeftOut:
+    """What a component's conversion left out (`--keep-layers`): decoder layers from `keep_layers` on, the head."""
+
+    keep_layers: int  # decoder layers kept: hidden_states[0 .. keep_layers - 1] equal the whole model's
+    layers: int  # decoder layers the source has
+    tensors: int
+    bytes: int
+    names: tuple[str, ...]  # the top-level modules left out whole (e.g. lm_head)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "keep_layers": self.keep_layers, "layers": self.layers, "tensors": self.tensors, "bytes": self.bytes,
+            "modules": list(self.names),
+        }  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LeftOut:
+        return cls(
+            int(data["keep_layers"]), int(data["layers"]), int(data["tensors"]), int(data["bytes"]),
+            tuple(data["modules"]),
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
 class ComponentRecord:
     """One component of a converted pipeline: how it was treated and, if sharded, at which TP degree."""
 
@@ -96,6 +120,7 @@ class ComponentRecord:
     treatment: str  # one of TREATMENTS
     tp: int | None = None  # sharded: the TP degree of its checkpoint
     source_bytes: int = 0  # the component's weights in the source
+    left_out: LeftOut | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -104,6 +129,7 @@ class ComponentRecord:
             "treatment": self.treatment,
             "tp": self.tp,
             "source_bytes": self.source_bytes,
+            "left_out": None if self.left_out is None else self.left_out.to_dict(),
         }
 
 
@@ -154,8 +180,14 @@ class PipelineRecord:
         try:
             components = {
                 name: ComponentRecord(
-                    name, str(c["library"]), str(c["class"]), c["treatment"], c["tp"], int(c["source_bytes"])
-                )
+                    name,
+                    str(c["library"]),
+                    str(c["class"]),
+                    c["treatment"],
+                    c["tp"],
+                    int(c["source_bytes"]),
+                    None if c.get("left_out") is None else LeftOut.from_dict(c["left_out"]),
+                )  # fmt: skip
                 for name, c in data["components"].items()
             }
             record = cls(

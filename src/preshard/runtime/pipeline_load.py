@@ -21,6 +21,7 @@ from preshard.format.locate import local_path
 from preshard.format.mesh import MeshSpec
 from preshard.format.pipeline_record import PIPELINE_RECORD_NAME, PipelineRecord, read_pipeline_record
 from preshard.runtime.devices import init_rank_device
+from preshard.runtime.left_out import guard_left_out
 from preshard.runtime.load import load_sharded
 
 SHARDED_ATTRIBUTE = "preshard_sharded_components"
@@ -87,7 +88,8 @@ def load_pipeline(
 
     Returns:
         The pipeline named by the folder's index; `pipe.preshard_sharded_components` maps each sharded component's
-        name to its `preshard_report`.
+        name to its `preshard_report`. A component converted without its later layers (`--keep-layers`) refuses
+        what would need them and says what was left out in `component.preshard_left_out`.
 
     Raises:
         CheckpointNotFoundError, UsageError: no converted pipeline at `checkpoint`. MismatchError: a component
@@ -143,5 +145,9 @@ def load_pipeline(
     for name, component in dict(pipe.components).items():
         if name not in sharded and isinstance(component, nn.Module):
             component.to(rank_device.device)
+    for c in record.components.values():
+        model = getattr(pipe, c.name, None)
+        if c.left_out is not None and isinstance(model, nn.Module) and c.name not in given:
+            guard_left_out(model, c.name, c.left_out)
     setattr(pipe, SHARDED_ATTRIBUTE, {name: net.preshard_report for name, net in sharded.items()})
     return pipe

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from preshard.converter.convert import resolve_mesh
-from preshard.converter.pipeline_folder import ComponentChoice, parse_component_choice, plan_pipeline
+from preshard.converter.left_out import is_left_out
+from preshard.converter.pipeline_folder import ComponentChoice, layers_to_keep, parse_component_choice, plan_pipeline
 from preshard.errors import SourceError, UsageError
 from preshard.format.dtypes import parse_cast
 from preshard.format.pipeline_record import read_pipeline_index
@@ -56,11 +57,14 @@ class PipelinePlan:
     reason: str = ""
 
 
-def _stored_bytes(folder: Path, itemsize: int | None) -> int:
-    """A whole component's tensors as stored (or as cast to `itemsize`, floating ones), from the headers."""
+def _stored_bytes(folder: Path, itemsize: int | None, keep: int | None = None) -> int:
+    """A whole component's tensors as stored (or as cast to `itemsize`, floating ones), from the headers; with
+    `keep`, only those a `--keep-layers` conversion keeps."""
     total = 0
     for path in sorted(folder.glob("*.safetensors")):
         for entry in read_header(path).tensors.values():
+            if keep is not None and is_left_out(entry.name, keep):
+                continue
             if itemsize is not None and entry.dtype.is_floating_point and entry.dtype.itemsize > 1:
                 total += entry.nbytes // entry.dtype.itemsize * itemsize
             else:
@@ -75,6 +79,7 @@ def plan_pipeline_job(
     device_memory_gib: float | None = None,
     dtype: Any = None,
     components: Iterable[str] | dict[str, ComponentChoice] | None = None,
+    keep_layers: Iterable[str] | dict[str, int | None] | None = None,
 ) -> PipelinePlan:
     """Every mesh of `devices` ranks for a local pipeline folder, with each component's bytes per rank.
 
@@ -84,6 +89,7 @@ def plan_pipeline_job(
         device_memory_gib: memory of one device, to say which meshes fit and recommend one.
         dtype: as for a conversion (the whole components are counted in it too: `load_pipeline(dtype=)`).
         components: `NAME:tp=N|whole|skip` choices, as for the conversion.
+        keep_layers: `NAME:K|all`, as for the conversion (default: what the pipeline documents it reads).
 
     Returns:
         A `PipelinePlan`; the recommended mesh is the smallest TP degree whose total leaves HEADROOM of the device
@@ -107,8 +113,9 @@ def plan_pipeline_job(
     cast = parse_cast(dtype)
     itemsize = None if cast is None else cast.itemsize
     memory = int(device_memory_gib * GIB) if device_memory_gib is not None else None
+    keeps = layers_to_keep(index, planned, keep_layers)
     whole = {
-        p.record.name: _stored_bytes(p.folder, itemsize)
+        p.record.name: _stored_bytes(p.folder, itemsize, keeps.get(p.record.name))
         for p in planned
         if p.record.treatment == "whole" and p.folder is not None
     }
