@@ -318,3 +318,23 @@ def test_the_conditioner_without_its_unread_layers(tmp_path):
     assert kept_all.components["text_encoder"].left_out is None
     with pytest.raises(UsageError, match="applies to a component copied whole"):
         convert_pipeline(tmp_path / "src", tmp_path / "no", tp=1, progress=False, keep_layers=["transformer:3"])
+
+
+def test_wan_22_two_experts_are_both_sharded(sources, tmp_path):
+    """Wan 2.2 A14B ships two experts (transformer, transformer_2): both are converted, and both load sharded."""
+    import shutil
+
+    from preshard.converter.pipeline_folder import convert_pipeline
+    from preshard.runtime.pipeline_load import load_pipeline
+
+    src = tmp_path / "wan22"
+    shutil.copytree(sources["wan"], src)
+    shutil.copytree(src / "transformer", src / "transformer_2")
+    index = json.loads((src / "model_index.json").read_text())
+    index["transformer_2"], index["boundary_ratio"] = ["diffusers", "WanTransformer3DModel"], 0.5
+    (src / "model_index.json").write_text(json.dumps(index))
+    record = convert_pipeline(src, tmp_path / "out", tp=1, progress=False)
+    assert [c.name for c in record.sharded()] == ["transformer", "transformer_2"]
+    pipe = load_pipeline(tmp_path / "out")
+    assert sorted(pipe.preshard_sharded_components) == ["transformer", "transformer_2"]
+    assert pipe.transformer_2 is not pipe.transformer and hasattr(pipe.transformer_2, "preshard_report")
