@@ -338,3 +338,25 @@ def test_wan_22_two_experts_are_both_sharded(sources, tmp_path):
     pipe = load_pipeline(tmp_path / "out")
     assert sorted(pipe.preshard_sharded_components) == ["transformer", "transformer_2"]
     assert pipe.transformer_2 is not pipe.transformer and hasattr(pipe.transformer_2, "preshard_report")
+
+
+def test_a_converted_pipeline_loads_from_the_hub(sources, references, tmp_path, fake_hub):
+    """Uploaded whole, a converted pipeline loads by its repo id: the components kept whole from one snapshot (no
+    shard among them), the transformer's shards fetched by load_sharded, the latents the unsharded pipeline's."""
+    from preshard.converter.pipeline_folder import convert_pipeline
+    from preshard.errors import CheckpointNotFoundError
+    from preshard.runtime.pipeline_load import load_pipeline
+
+    out = tmp_path / "wan-tp1"
+    convert_pipeline(sources["wan"], out, tp=1, progress=False)
+    files = {str(f.relative_to(out)): f.read_bytes() for f in out.rglob("*") if f.is_file()}
+    fake_hub.add_repo("org/wan-tp1", files)
+    pipe = load_pipeline("org/wan-tp1")
+    got = _wan_case().run(pipe, torch.Generator().manual_seed(0))
+    assert _max_diff(got, references["wan"]) <= TOL
+    downloaded = fake_hub.downloaded("org/wan-tp1")
+    assert sorted(p for p in downloaded if p.endswith(".distcp")) == ["transformer/__0_0.distcp"]  # fetched once
+    assert "vae/diffusion_pytorch_model.safetensors" in downloaded
+    with pytest.raises(CheckpointNotFoundError, match="could not be fetched from the Hub") as info:
+        load_pipeline("org/no-such-pipeline")
+    assert "\n" not in str(info.value)

@@ -21,6 +21,7 @@ from preshard.format.locate import local_path
 from preshard.format.mesh import MeshSpec
 from preshard.format.pipeline_record import PIPELINE_RECORD_NAME, PipelineRecord, read_pipeline_record
 from preshard.runtime.devices import init_rank_device
+from preshard.runtime.hub import names_repo
 from preshard.runtime.left_out import guard_left_out
 from preshard.runtime.load import load_sharded
 
@@ -38,11 +39,34 @@ def _import_class(library: str, class_name: str) -> type:
         ) from None
 
 
-def _open_record(checkpoint: str | Path) -> tuple[Path, PipelineRecord]:
-    path = local_path(checkpoint, option="revision=")
+def _fetch_rest(repo_id: str, revision: str | None, token: str | bool | None, ignore: list[str]) -> Path:
+    """A converted pipeline on the Hub: everything but the sharded components' data files, from one commit (the
+    snapshot folder is named by it); each rank then fetches its own shards through `load_sharded`."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, token=token, ignore_patterns=ignore))
+    except (HfHubHTTPError, OSError, ValueError) as exc:
+        raise CheckpointNotFoundError(
+            f"converted pipeline {repo_id} could not be fetched from the Hub ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else 'no detail'}); check the repo id, revision and token"
+        ) from None
+
+
+def _open_record(
+    checkpoint: str | Path, revision: str | None = None, token: str | bool | None = None
+) -> tuple[Path, PipelineRecord, str | None]:
+    """The converted pipeline's folder and record, and its Hub commit (None for a local folder)."""
+    path = local_path(checkpoint, revision=revision, option="revision=")
+    commit = None
+    if path is None and isinstance(checkpoint, str) and names_repo(checkpoint):
+        path = _fetch_rest(checkpoint, revision, token, ["*.distcp"])  # no rank's shards: each fetches its own
+        commit = path.name
     if path is None:
         raise CheckpointNotFoundError(
-            f"converted pipeline {checkpoint} does not exist; pass the folder convert-checkpoint PIPELINE OUT wrote"
+            f"converted pipeline {checkpoint} does not exist; pass the folder convert-checkpoint PIPELINE OUT wrote "
+            "or a Hub repo id (org/name) holding one"
         )
     record = read_pipeline_record(path)
     if record is None:
@@ -50,7 +74,7 @@ def _open_record(checkpoint: str | Path) -> tuple[Path, PipelineRecord]:
             f"{checkpoint} holds no {PIPELINE_RECORD_NAME}, so it is not a converted pipeline; convert it with "
             f"convert-checkpoint PIPELINE OUT --tp N, or load one model with load_sharded"
         )
-    return path, record
+    return path, record, commit
 
 
 def load_pipeline(
@@ -65,6 +89,8 @@ def load_pipeline(
     dtype: str | torch.dtype | None = None,
     verify: bool = False,
     check_inputs: bool | str = True,
+    revision: str | None = None,
+    token: str | bool | None = None,
     components: dict[str, Any] | None = None,
     blocks: Any = None,
     **kwargs: Any,
@@ -75,7 +101,9 @@ def load_pipeline(
     inputs and the same seed.
 
     Args:
-        checkpoint: the folder `convert-checkpoint PIPELINE OUT` wrote.
+        checkpoint: the folder `convert-checkpoint PIPELINE OUT` wrote, or a Hub repo id holding one (uploaded
+            whole): the components kept whole come from one snapshot, each rank fetches only its own shards.
+        revision, token: for a Hub repo.
         mesh, cp, ring, ulysses, order: the CP layout the sharded components run (default: the one converted for).
         device, verify, check_inputs: as `load_sharded`, for each sharded component; `device` also places the
             whole ones.
@@ -96,7 +124,7 @@ def load_pipeline(
         class this environment lacks, or one converted at a TP degree the job's mesh does not run. Whatever
         `load_sharded` raises for a component.
     """
-    folder, record = _open_record(checkpoint)
+    folder, record, commit = _open_record(checkpoint, revision, token)
     rank_device = init_rank_device(device)
     cast = parse_cast(dtype, "dtype=")
     job_tp = int(record.mesh["tp"])
@@ -109,8 +137,10 @@ def load_pipeline(
                 f"(--component {component.name}:whole)"
             )
         cls = _import_class(component.library, component.class_name)
+        where = (checkpoint, component.name) if commit is not None else (folder / component.name, None)
         sharded[component.name] = load_sharded(
-            cls, folder / component.name, mesh=mesh, cp=cp, ring=ring, ulysses=ulysses, order=order, device=device,
+            cls, where[0], subfolder=where[1], revision=commit, token=token if commit else None, mesh=mesh, cp=cp,
+            ring=ring, ulysses=ulysses, order=order, device=device,
             dtype=dtype, verify=verify, check_inputs=check_inputs,
         )  # fmt: skip
     given = dict(components or {})
