@@ -225,6 +225,11 @@ def test_an_interrupted_conversion_leaves_no_output_and_resumes(sources, tmp_pat
     with pytest.raises(RuntimeError, match="simulated crash"):
         convert_pipeline(sources["wan"], out, tp=2, progress=False)
     assert not out.exists() and partial_dir(out).is_dir()  # nothing half-written at OUT
+    from preshard.converter import pipeline_folder
+
+    copies: list[str] = []
+    real_copy = pipeline_folder._copy_tree
+    monkeypatch.setattr(pipeline_folder, "_copy_tree", lambda a, b: (copies.append(b.name), real_copy(a, b)))
     written.clear()
     monkeypatch.setattr(convert, "_after_tensor_hook", written.append)
     outcomes: dict = {}
@@ -234,6 +239,9 @@ def test_an_interrupted_conversion_leaves_no_output_and_resumes(sources, tmp_pat
     total = len(read_manifest(out / "transformer").tensors)
     assert outcomes["transformer"].status == "resumed" and outcomes["transformer"].kept_tensors >= 1
     assert len(written) < total  # the resumed run wrote only what was not kept
+    # Copied before the crash (index order: scheduler, text_encoder, tokenizer, then the transformer), not again.
+    assert copies == ["vae"], copies
+    assert not list(out.glob(".*"))  # no marker left in the output
     assert not partial_dir(out).exists()
 
 

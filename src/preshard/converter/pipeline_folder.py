@@ -16,8 +16,8 @@ pipelines' `modular_model_index.json`) and decides per component:
 
 The whole conversion is one job, like a single one: an exclusive lock on OUT, everything written into the hidden
 sibling `.<OUT>.partial/` and renamed into place last (the record `preshard_pipeline.json` written just before),
-and a re-run of the same job resumes there (each component's conversion resumes or is found finished; copies are
-redone, they are small).
+and a re-run of the same job resumes there (each component's conversion resumes or is found finished; a component
+already copied from unchanged source files is not copied again).
 """
 
 from __future__ import annotations
@@ -187,6 +187,36 @@ def _copy_tree(src: Path, dst: Path) -> None:
     shutil.copytree(src, dst, symlinks=False)
 
 
+def _source_stamp(folder: Path) -> dict[str, list[int]]:
+    return {
+        str(f.relative_to(folder)): [f.stat().st_size, f.stat().st_mtime_ns]
+        for f in sorted(folder.rglob("*"))
+        if f.is_file()
+    }
+
+
+def _copy_once(folder: Path, target: Path, work: Path, keep: int | None) -> LeftOut | None:
+    """Copy a whole component into the working folder (without its unread layers where `keep` says), unless an
+    earlier run of this job already did from the same source files (sizes and modification times, kept in a
+    hidden marker beside it): a resume does not copy a 62 GiB conditioner again."""
+    marker = work / f".{target.name}.copied"
+    stamp = _source_stamp(folder)
+    if marker.is_file() and target.is_dir():
+        try:
+            done = json.loads(marker.read_text())
+        except ValueError:
+            done = None
+        if isinstance(done, dict) and done.get("source") == stamp:
+            left = done.get("left_out")
+            return None if left is None else LeftOut.from_dict(left)
+    marker.unlink(missing_ok=True)
+    left = copy_keeping_layers(folder, target, keep) if keep is not None else None
+    if left is None:
+        _copy_tree(folder, target)
+    marker.write_text(json.dumps({"source": stamp, "left_out": None if left is None else left.to_dict()}))
+    return left
+
+
 def _output_index(index: PipelineIndex, planned: list[ComponentPlan]) -> str:
     """The source index with skipped components set to [null, null] (diffusers then loads None for them)."""
     data = dict(index.data)
@@ -345,10 +375,7 @@ def convert_pipeline(
                 continue
             target = work / p.record.name
             if p.record.treatment == "whole":
-                left = copy_keeping_layers(p.folder, target, keeps[p.record.name]) if p.record.name in keeps else None
-                if left is None:
-                    _copy_tree(p.folder, target)
-                left_out[p.record.name] = left
+                left_out[p.record.name] = _copy_once(p.folder, target, work, keeps.get(p.record.name))
                 continue
             component_mesh = job_mesh if p.record.tp == job_mesh.tp else MeshSpec.build(p.record.tp)
             convert_checkpoint(
@@ -370,6 +397,8 @@ def convert_pipeline(
             job=job,
         )
         (work / JOB_NAME).unlink(missing_ok=True)
+        for marker in work.glob(".*.copied"):
+            marker.unlink()
         path = work / PIPELINE_RECORD_NAME  # last: a partial folder without it is never mistaken for an output
         path.write_text(dumps_indented(record.to_dict()) + "\n")
         fsync_file(path)
