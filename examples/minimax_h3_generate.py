@@ -1,13 +1,20 @@
 """MiniMax-H3 text-to-video-and-audio generation with a pre-sharded transformer, in every rank of a torchrun job.
 
-With a converted checkpoint (the rest of the pipeline, text encoder and VAEs, comes from the diffusers repo):
+With the whole pipeline converted in one command (the transformer sharded, the conditioner kept whole without the
+decoder layers MiniMax-H3 never reads, the rest copied) and loaded in one call (`preshard.load_pipeline`):
+
+    convert-checkpoint ./MiniMax-H3 ./h3-tp4 --tp 4
+    torchrun --nproc-per-node 8 examples/minimax_h3_generate.py --converted ./h3-tp4 --ulysses 2 \
+        --prompt "A cat sings on a rooftop at dusk." --steps 30 --output out/
+
+With only the transformer converted (the rest of the pipeline comes from the diffusers repo):
 
     convert-checkpoint MiniMaxAI/MiniMax-H3 ./h3-tp4 --subfolder transformer --tp 4
     torchrun --nproc-per-node 8 examples/minimax_h3_generate.py --checkpoint ./h3-tp4 --ulysses 2 \
         --pipeline MiniMaxAI/MiniMax-H3 --prompt "A cat sings on a rooftop at dusk." --steps 30 --output out/
 
-Offline, on tiny random components (rank 0 converts the tiny transformer, in a moment, and every rank loads that
-one checkpoint, as load_sharded requires), checked against the unsharded pipeline:
+Offline, on tiny random components (rank 0 writes the tiny pipeline folder and converts it, in a moment, and every
+rank loads that one converted pipeline, as load_sharded requires), checked against the unsharded pipeline:
 
     torchrun --nproc-per-node 4 examples/minimax_h3_generate.py --tiny --tp 2 --ulysses 2 --output out/
 
@@ -29,6 +36,7 @@ import torch
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--converted", help="the converted pipeline folder (convert-checkpoint PIPELINE OUT)")
     parser.add_argument("--checkpoint", help="the converted transformer (convert-checkpoint's output or a Hub repo)")
     parser.add_argument("--pipeline", help="the diffusers MiniMax-H3 repo or folder (modular_model_index.json)")
     parser.add_argument("--prompt", default="A cat sings on a rooftop at dusk.")
@@ -46,39 +54,38 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tp", type=int, default=2, help="--tiny: the TP degree to convert for")
     parser.add_argument("--workdir", type=Path, default=None, help="--tiny: where rank 0 converts (every rank sees it)")
     args = parser.parse_args(argv)
-    if not args.tiny and not (args.checkpoint and args.pipeline):
-        parser.error("give --checkpoint and --pipeline, or --tiny")
+    if not args.tiny and not args.converted and not (args.checkpoint and args.pipeline):
+        parser.error("give --converted OUT, or --checkpoint and --pipeline, or --tiny")
     return args
 
 
-def _tiny_checkpoint(args: argparse.Namespace, rank: int) -> Path:
-    """Rank 0 converts the tiny transformer; every rank loads that one checkpoint (the ranks of a load must agree
-    on it: per-rank conversions differ in their manifests). A failure on rank 0 is raised on every rank."""
+def _tiny_pipeline_folder(args: argparse.Namespace, rank: int) -> Path:
+    """Rank 0 writes the tiny pipeline folder and converts it in one command's call; every rank loads that one
+    converted pipeline (the ranks of a load must agree on it: per-rank conversions differ in their manifests). A
+    failure on rank 0 is raised on every rank."""
     import tempfile
 
     import torch.distributed as dist
 
-    from preshard import convert_checkpoint
-    from preshard.examples.minimax_h3 import save_checkpoint
-    from preshard.examples.minimax_h3_pipeline import build_transformer
-    from preshard import init_rank_device
+    from preshard import convert_pipeline, init_rank_device
+    from preshard.examples import minimax_h3_pipeline as tiny
 
-    init_rank_device(args.device)  # the process group load_sharded will use (torchrun's environment)
-    message: list = [None, None]  # [checkpoint, error]
+    init_rank_device(args.device)  # the process group load_pipeline will use (torchrun's environment)
+    message: list = [None, None]  # [converted folder, error]
     if rank == 0:
         try:
             root = args.workdir or Path(tempfile.mkdtemp(prefix="h3-tiny-"))
-            source = save_checkpoint(build_transformer(), root / "transformer")
+            source = tiny.save_pipeline_folder(root / "H3", tiny.build_transformer(), tiny.build_text_components())
             out = root / f"h3-tp{args.tp}"
             mesh = {"tp": args.tp, "ring": args.ring or 1, "ulysses": args.ulysses or 1}
-            convert_checkpoint(source, out, **mesh, overwrite=True, progress=False)  # a re-run into --workdir
+            convert_pipeline(source, out, **mesh, overwrite=True, progress=False)  # a re-run into --workdir
             message[0] = str(out)
         except Exception as exc:  # noqa: BLE001 - told to every rank, so that none waits
             message[1] = f"{type(exc).__name__}: {exc}"
     if dist.is_initialized():
         dist.broadcast_object_list(message, src=0)
     if message[1] is not None:
-        raise SystemExit(f"rank 0 could not convert the tiny transformer: {message[1]}")
+        raise SystemExit(f"rank 0 could not convert the tiny pipeline: {message[1]}")
     return Path(message[0])
 
 
@@ -124,19 +131,25 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     from diffusers import MiniMaxH3Transformer3DModel
 
-    from preshard import load_sharded
+    from preshard import load_pipeline, load_sharded
     from preshard.examples import minimax_h3_pipeline as tiny
 
     rank = int(os.environ.get("RANK", "0"))
-    checkpoint = _tiny_checkpoint(args, rank) if args.tiny else args.checkpoint
-    dtype = None if args.tiny else args.dtype
-    transformer = load_sharded(
-        MiniMaxH3Transformer3DModel, checkpoint, ring=args.ring, ulysses=args.ulysses, device=args.device, dtype=dtype
-    )
-    report = transformer.preshard_report
+    mesh = {"ring": args.ring, "ulysses": args.ulysses, "device": args.device}
+    if args.tiny:  # the processor is not in the tiny folder (saving one needs torchvision); no VAE: no decode
+        processor = tiny.build_text_components()["processor"]
+        folder = _tiny_pipeline_folder(args, rank)
+        pipe = load_pipeline(folder, **mesh, components={"processor": processor}, blocks=tiny.pipeline_blocks())
+        report = pipe.preshard_sharded_components["transformer"]
+    elif args.converted:
+        pipe = load_pipeline(args.converted, **mesh, dtype=args.dtype)
+        report = pipe.preshard_sharded_components["transformer"]
+    else:
+        transformer = load_sharded(MiniMaxH3Transformer3DModel, args.checkpoint, **mesh, dtype=args.dtype)
+        report = transformer.preshard_report
+        pipe = _real_pipeline(args, transformer)
     print(f"[rank {rank}] {report.summary()}", flush=True)
 
-    pipe = tiny.build_pipeline(transformer) if args.tiny else _real_pipeline(args, transformer)
     outputs = ("latents", "audio_latents") if args.tiny else ("latents", "audio_latents", "videos", "audio")
     size = {k: v for k, v in (("height", args.height), ("width", args.width), ("num_frames", args.num_frames)) if v}
     generator = torch.Generator().manual_seed(args.seed)  # the same seed on every rank

@@ -48,4 +48,4 @@ def test_tiny_generation_on_tp2_ulysses2(tmp_path):
 def test_without_tiny_it_asks_for_a_checkpoint_and_a_pipeline(tmp_path):
     result = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
-    assert "give --checkpoint and --pipeline, or --tiny" in result.stderr
+    assert "give --converted OUT, or --checkpoint and --pipeline, or --tiny" in result.stderr

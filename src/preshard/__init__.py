@@ -34,12 +34,14 @@ from preshard.errors import (
 
 if TYPE_CHECKING:
     from preshard.converter.convert import convert_checkpoint
+    from preshard.converter.pipeline_folder import convert_pipeline
     from preshard.converter.signals import command_scope
     from preshard.format.manifest import Manifest, read_manifest
     from preshard.format.mesh import MeshSpec
     from preshard.format.plan import Plan
     from preshard.runtime.devices import RankDevice, init_rank_device
     from preshard.runtime.load import load_sharded
+    from preshard.runtime.pipeline_load import load_pipeline
     from preshard.tools.reshard import reshard_checkpoint
     from preshard.tools.unshard import unshard_checkpoint
     from preshard.tools.verify import VerifyResult, verify_checkpoint
@@ -74,7 +76,9 @@ __all__ = [
     "__version__",
     "command_scope",
     "convert_checkpoint",
+    "convert_pipeline",
     "init_rank_device",
+    "load_pipeline",
     "load_sharded",
     "read_manifest",
     "reshard_checkpoint",
@@ -91,6 +95,8 @@ _LAZY = {
     "convert_checkpoint": "preshard.converter.convert",
     "command_scope": "preshard.converter.signals",
     "load_sharded": "preshard.runtime.load",
+    "load_pipeline": "preshard.runtime.pipeline_load",
+    "convert_pipeline": "preshard.converter.pipeline_folder",
     "read_manifest": "preshard.format.manifest",
     "Manifest": "preshard.format.manifest",
     "MeshSpec": "preshard.format.mesh",

@@ -27,7 +27,7 @@ import click
 
 from preshard import __version__
 from preshard.converter.signals import command_scope, interruption, received_signal
-from preshard.errors import Interrupted, PreshardError, ResourceError
+from preshard.errors import Interrupted, PreshardError, ResourceError, UsageError
 
 EXIT_PROBLEMS, EXIT_USAGE = 1, 2
 EXIT_CODES_HELP = (
@@ -241,6 +241,22 @@ class _ConvertCommand(Command):
     "--lora-scale", type=float, multiple=True, metavar="S", help="Scale of the --lora before it (default 1.0)."
 )
 @_hub_options()
+@click.option(
+    "--component",
+    "component_choices",
+    multiple=True,
+    metavar="NAME:CHOICE",
+    help="For a pipeline folder: NAME:tp=N shards it at TP degree N, NAME:whole copies it, NAME:skip leaves it out "
+    "(default: transformers sharded, the rest copied). Repeatable.",
+)
+@click.option(
+    "--keep-layers",
+    "keep_layers",
+    multiple=True,
+    metavar="NAME:K",
+    help="For a pipeline folder: keep the first K decoder layers of text encoder NAME and leave out the rest and its "
+    "head; NAME:all keeps everything (default: what the pipeline documents it reads). Repeatable.",
+)
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it is a preshard checkpoint.")
 @click.option("--wait", is_flag=True, help="Wait for another conversion into OUTPUT to finish instead of failing.")
 @click.option(
@@ -260,8 +276,8 @@ class _ConvertCommand(Command):
 @click.version_option(__version__, "--version", prog_name="convert-checkpoint")
 @user_errors
 def convert_checkpoint_command(
-    source, output, tp, cp, ring, ulysses, order, plan, dtype, subfolder, revision, token, overwrite, wait, dry_run,
-    workers, as_json, quiet, progress, loras,
+    source, output, tp, cp, ring, ulysses, order, plan, dtype, subfolder, revision, token, component_choices,
+    keep_layers, overwrite, wait, dry_run, workers, as_json, quiet, progress, loras,
 ):  # fmt: skip
     """Slice SOURCE (.safetensors file, diffusers weights folder or Hub repo id) into per-rank shards in OUTPUT.
 
@@ -271,6 +287,16 @@ def convert_checkpoint_command(
     from preshard.converter.convert import ConversionOutcome, convert_checkpoint, resolve_mesh
 
     progress = _progress(progress, quiet)
+    from preshard.converter.pipeline_folder import is_pipeline_folder
+
+    if subfolder is None and is_pipeline_folder(source):
+        _convert_pipeline_folder(
+            source, output, tp, cp, ring, ulysses, order, plan, dtype, revision, component_choices, keep_layers,
+            overwrite, wait, dry_run, workers, as_json, quiet, progress, loras,
+        )  # fmt: skip
+        return
+    if component_choices or keep_layers:
+        raise UsageError("--component and --keep-layers apply to a pipeline folder (with model_index.json); drop them")
     if dry_run:
         from preshard.tools.planner import dry_run as plan_dry_run
         from preshard.tools.planner import dry_run_json, dry_run_text
@@ -299,6 +325,43 @@ def convert_checkpoint_command(
     data = {"command": "convert", "status": outcome.status, **_manifest_summary(manifest, output)}
     data |= {"kept_tensors": outcome.kept_tensors, "kept_bytes": outcome.kept_bytes, "seconds": round(seconds, 3)}
     _emit(data, outcome_line(manifest, output, outcome), as_json, quiet)
+
+
+def _convert_pipeline_folder(
+    source, output, tp, cp, ring, ulysses, order, plan, dtype, revision, component_choices, keep_layers, overwrite,
+    wait, dry_run, workers, as_json, quiet, progress, loras,
+) -> None:  # fmt: skip
+    """convert-checkpoint on a pipeline folder: every component in one conversion (converter/pipeline_folder.py)."""
+    from preshard.converter.pipeline_folder import convert_pipeline
+
+    for given, option in ((dry_run, "--dry-run"), (loras, "--lora"), (revision, "--revision")):
+        if given:
+            raise UsageError(f"{option} is not supported on a pipeline folder; use it with --subfolder NAME")
+    started = time.perf_counter()
+    outcomes: dict = {}
+    record = convert_pipeline(
+        source, output, tp=tp, cp=cp, ring=ring, ulysses=ulysses, order=order, components=component_choices,
+        plan=plan, dtype=dtype, overwrite=overwrite, wait=wait, progress=progress, workers=workers, outcomes=outcomes,
+        keep_layers=keep_layers,
+    )  # fmt: skip
+    seconds = time.perf_counter() - started
+    components = {
+        name: c.to_dict() | ({"status": outcomes[name].status} if name in outcomes else {})
+        for name, c in record.components.items()
+    }
+    data: dict[str, object] = {"command": "convert", "output": str(output), "pipeline": record.pipeline_class}
+    data["mesh"] = record.mesh
+    data |= {"components": components, "seconds": round(seconds, 3)}
+    text = "\n".join(
+        [f"pipeline {record.pipeline_class} in {output}:"]
+        + [
+            f"  {name}: {c.treatment}"
+            + (f" at tp={c.tp} ({outcomes[name].status})" if name in outcomes else "")
+            + (f", layers 0-{c.left_out.keep_layers - 1} of {c.left_out.layers} kept" if c.left_out else "")
+            for name, c in record.components.items()
+        ]
+    )
+    _emit(data, text, as_json, quiet)
 
 
 @click.group(cls=Group, context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
@@ -466,18 +529,49 @@ def unshard_command(checkpoint, output, subfolder, revision, token, overwrite, w
 )
 @click.option("--plan", "plan", default=None, help="Built-in plan name or JSON plan file (default: from config.json).")
 @click.option("--dtype", default=None, help="Plan for a cast: bf16, fp16 or fp32 (default: keep each dtype).")
+@click.option(
+    "--component",
+    "component_choices",
+    multiple=True,
+    metavar="NAME:CHOICE",
+    help="For a pipeline folder, as convert-checkpoint takes it: NAME:tp=N, NAME:whole or NAME:skip. Repeatable.",
+)
+@click.option(
+    "--keep-layers",
+    "keep_layers",
+    multiple=True,
+    metavar="NAME:K",
+    help="For a pipeline folder, as convert-checkpoint.",
+)
 @_hub_options()
 @_output_options
 @user_errors
-def plan_command(source, devices, device_memory, plan, dtype, subfolder, revision, token, as_json, quiet, progress):
+def plan_command(
+    source, devices, device_memory, plan, dtype, component_choices, keep_layers, subfolder, revision, token, as_json,
+    quiet, progress,
+):  # fmt: skip
     """Which TP x CP meshes fit: per-rank weights, load reads and disk, from safetensors headers only.
 
     SOURCE is a local checkpoint or a Hub repo id (headers read with ranged requests; no weights downloaded).
     Every TP degree the plan allows up to --devices is listed, with every ring x ulysses split of the remaining
     devices. Weights only: activations and the compiler's workspace come on top.
     """
+    from preshard.converter.pipeline_folder import is_pipeline_folder
     from preshard.tools.planner import plan_json, plan_meshes, plan_table
 
+    if subfolder is None and is_pipeline_folder(source):
+        from preshard.tools.pipeline_plan import pipeline_plan_json, pipeline_plan_table, plan_pipeline_job
+
+        if devices is None or plan is not None:
+            raise UsageError("on a pipeline folder, pass --devices N (and no --plan; use --subfolder NAME for that)")
+        job = plan_pipeline_job(
+            source, devices=devices, device_memory_gib=device_memory, dtype=dtype, components=component_choices,
+            keep_layers=keep_layers,
+        )  # fmt: skip
+        _emit({"command": "plan", **pipeline_plan_json(job)}, pipeline_plan_table(job), as_json, quiet)
+        return
+    if component_choices or keep_layers:
+        raise UsageError("--component and --keep-layers apply to a pipeline folder (with model_index.json); drop them")
     with _hub_progress(bool(progress) and not quiet):  # headers only: bars only when asked for
         report = plan_meshes(
             source, devices=devices, device_memory_gib=device_memory, plan=plan, dtype=dtype, subfolder=subfolder,

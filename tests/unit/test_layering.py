@@ -40,6 +40,8 @@ RULES: dict[str, set[str]] = {
     # reshard/unshard write through the converter.
     "tools/planner.py": {"format", "plans", "sources", "converter", "tools/estimate.py", "tools/unshard.py"},
     "tools/estimate.py": {"format", "sources"},
+    # a pipeline's plan: each component as the pipeline conversion treats it, sized by the planner
+    "tools/pipeline_plan.py": {"format", "sources", "converter", "tools/planner.py"},
     "tools/reshard.py": {"format", "plans", "sources", "converter"},
     "tools/unshard.py": {"format", "sources", "converter"},
     "examples": {"examples"},

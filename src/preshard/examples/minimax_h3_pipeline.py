@@ -13,6 +13,7 @@ Used by the pipeline tests and by `examples/minimax_h3_generate.py --tiny`.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -54,8 +55,8 @@ def _processor_class():
     return TinyQwen3VLProcessor
 
 
-def build_text_components(seed: int = 0) -> dict[str, Any]:
-    """Tokenizer, processor and a seeded random Qwen3-VL conditioner, all built in memory."""
+def build_text_components(seed: int = 0, layers: int = TEXT_LAYERS) -> dict[str, Any]:
+    """Tokenizer, processor and a seeded random Qwen3-VL conditioner of `layers` decoder layers, built in memory."""
     from transformers import Qwen2TokenizerFast, Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     try:
@@ -70,7 +71,7 @@ def build_text_components(seed: int = 0) -> dict[str, Any]:
     ids = {name: tokenizer.convert_tokens_to_ids(name) for name in _SPECIAL}
     config = Qwen3VLConfig(
         text_config=dict(
-            vocab_size=len(tokenizer), hidden_size=TEXT_DIM, intermediate_size=32, num_hidden_layers=TEXT_LAYERS,
+            vocab_size=len(tokenizer), hidden_size=TEXT_DIM, intermediate_size=32, num_hidden_layers=layers,
             num_attention_heads=2, num_key_value_heads=1, head_dim=20,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 3, 3],
                              "mrope_interleaved": True},
@@ -136,3 +137,79 @@ def generate(
         prompt=prompt, height=height, width=width, num_frames=num_frames, num_inference_steps=steps + 1,
         generator=generator, output=list(outputs),
     )  # fmt: skip
+
+
+def pipeline_blocks():
+    """MiniMax-H3's modular blocks without the decode step (the tiny pipeline has no VAE)."""
+    from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import MiniMaxH3Blocks
+
+    blocks = MiniMaxH3Blocks()
+    blocks.sub_blocks.pop("decode")
+    return blocks
+
+
+def save_pipeline_folder(folder: str | Path, transformer: torch.nn.Module, components: dict[str, Any]) -> Path:
+    """The tiny pipeline as a modular pipeline folder (`modular_model_index.json` and a folder per component), as
+    MiniMax-H3 ships. The processor is left out (saving it needs a video processor, which needs torchvision): pass
+    it in memory when loading.
+
+    Returns:
+        The folder.
+    """
+    pipe = build_pipeline(transformer, {k: v for k, v in components.items() if k != "processor"})
+    pipe.save_pretrained(str(folder), overwrite_modular_index=True)
+    return Path(folder)
+
+
+# MiniMax-H3's conditioner as Qwen3-VL-32B's shapes (64 decoder layers 5120 wide, 64 query and 8 key/value heads of
+# 128, ffn 25600, a 27-block vision tower 1152 wide): 33.4 B parameters, as the issue counts them. Shapes only, for
+# `preshard plan` over headers: written from Qwen3-VL-32B's published config, untested against H3's own files.
+FULL_CONDITIONER = dict(
+    text_config=dict(
+        vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+    ),
+    vision_config=dict(
+        depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=5120, patch_size=16,
+        spatial_merge_size=2, temporal_patch_size=2, deepstack_visual_indexes=[8, 16, 24],
+    ),
+)  # fmt: skip
+
+
+def write_full_size_pipeline(folder: str | Path) -> Path:
+    """MiniMax-H3's pipeline folder at full size as safetensors headers over holes (no data, no disk): the
+    transformer (the class defaults) and the conditioner (`FULL_CONDITIONER`), bf16, with the modular index naming
+    them and the two schedulers. For `preshard plan PIPELINE` and the memory table.
+
+    Returns:
+        The folder.
+    """
+    import json
+
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    from preshard.examples.synthetic import minimax_h3_tensors, write_safetensors_checkpoint
+
+    folder = Path(folder)
+    tensors, config = minimax_h3_tensors()
+    write_safetensors_checkpoint(folder / "transformer", tensors, config, data="hole")
+    conditioner = Qwen3VLConfig(**FULL_CONDITIONER)
+    with torch.device("meta"):
+        model = Qwen3VLForConditionalGeneration(conditioner)
+    specs = {name: ("BF16", tuple(t.shape)) for name, t in model.state_dict().items()}
+    write_safetensors_checkpoint(folder / "text_encoder", specs, {}, data="hole")
+    conditioner.save_pretrained(folder / "text_encoder")  # transformers' config.json over the placeholder
+    for name, shift in (("scheduler", 12.0), ("audio_scheduler", 3.0)):
+        (folder / name).mkdir(exist_ok=True)
+        scheduler = {"_class_name": "MiniMaxH3Scheduler", "shift": shift}
+        (folder / name / "scheduler_config.json").write_text(json.dumps(scheduler))
+    index = {
+        "_class_name": "MiniMaxH3ModularPipeline",
+        "_blocks_class_name": "MiniMaxH3Blocks",
+        "transformer": ["diffusers", "MiniMaxH3Transformer3DModel", {"subfolder": "transformer"}],
+        "text_encoder": ["transformers", "Qwen3VLForConditionalGeneration", {"subfolder": "text_encoder"}],
+        "scheduler": ["diffusers", "MiniMaxH3Scheduler", {"subfolder": "scheduler"}],
+        "audio_scheduler": ["diffusers", "MiniMaxH3Scheduler", {"subfolder": "audio_scheduler"}],
+    }
+    (folder / "modular_model_index.json").write_text(json.dumps(index, indent=2))
+    return folder

@@ -280,3 +280,10 @@ def _check_records(name: str, start: int, data: bytes, chunks: list[ChunkRecord]
                 f"the record of {c.tensor} in {name} on the Hub does not match its checksum in the manifest; "
                 "the upload is damaged or mixed: upload the checkpoint folder again"
             )
+
+
+def names_repo(text: str | Path) -> bool:
+    """Whether `text` is a Hub repo id and names no local path (`sources.hub.is_repo_id`, for the runtime)."""
+    from preshard.sources.hub import is_repo_id
+
+    return isinstance(text, str) and is_repo_id(text)

@@ -1,0 +1,407 @@
+"""A diffusers pipeline folder converted as one: its sharded components converted, the rest copied.
+
+`convert_pipeline(PIPELINE, OUT, tp=...)` reads the pipeline's index (`model_index.json`, or the modular
+pipelines' `modular_model_index.json`) and decides per component:
+
+- **sharded**: a diffusers model with a plan (a built-in plan for its class, or a class whose name says it is a
+  transformer: its own `_tp_plan` is read at conversion), e.g. Wan 2.2's `transformer` and `transformer_2`. It is
+  converted by `convert_checkpoint` into `OUT/<component>/`, with its own manifest and plan.
+- **whole**: everything else with files (VAE, text encoders, schedulers, tokenizers, processors) is copied as it
+  is, so that OUT is a pipeline folder again. Text encoders are copied whole in this version (a transformers
+  model has no preshard plan yet).
+- **skipped**: a component the user leaves out (`NAME:skip`); the output's index names it `[null, null]`, which
+  diffusers loads as None.
+
+`components` overrides the choice per component (`NAME:tp=4`, `NAME:whole`, `NAME:skip`; `parse_component_choice`).
+
+The whole conversion is one job, like a single one: an exclusive lock on OUT, everything written into the hidden
+sibling `.<OUT>.partial/` and renamed into place last (the record `preshard_pipeline.json` written just before),
+and a re-run of the same job resumes there (each component's conversion resumes or is found finished; a component
+already copied from unchanged source files is not copied again).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from preshard.converter.convert import (
+    ConversionOutcome,
+    convert_checkpoint,
+    finished_conversion,
+    plan_conversion,
+    resolve_mesh,
+)
+from preshard.converter.left_out import copy_keeping_layers, documented_keep, parse_keep_layers
+from preshard.converter.workdir import (
+    JOB_NAME,
+    OutputKind,
+    OutputLock,
+    check_output,
+    commit,
+    make_parents,
+    open_workdir,
+    partial_dir,
+)
+from preshard.errors import PreshardError, SourceError, SourceNotFoundError, UsageError
+from preshard.format.jsonio import dumps_indented, fsync_dir, fsync_file
+from preshard.format.manifest import CONFIG_NAME, created_now
+from preshard.format.mesh import MeshSpec
+from preshard.format.pipeline_record import (
+    PIPELINE_RECORD_NAME,
+    ComponentRecord,
+    LeftOut,
+    PipelineIndex,
+    PipelineRecord,
+    is_pipeline_record,
+    read_pipeline_index,
+    read_pipeline_record,
+)
+from preshard.plans.registry import builtin_plan_for_class
+
+PIPELINE = OutputKind(f"a converted pipeline (it has no {PIPELINE_RECORD_NAME})", is_pipeline_record)
+CHOICE_HELP = "NAME:tp=N (shard at TP degree N), NAME:whole (copy it as it is) or NAME:skip (leave it out)"
+
+
+@dataclass(frozen=True)
+class ComponentChoice:
+    """What the user asks for one component: `treatment` "sharded" (at `tp`, default the job's), "whole", "skipped"."""
+
+    treatment: str
+    tp: int | None = None
+
+
+def parse_component_choice(text: str) -> tuple[str, ComponentChoice]:
+    """`NAME:tp=4`, `NAME:whole` or `NAME:skip` -> (name, choice).
+
+    Raises:
+        UsageError: anything else.
+    """
+    name, sep, what = text.partition(":")
+    bad = UsageError(f"--component {text!r} is not {CHOICE_HELP}")
+    if not sep or not name:
+        raise bad
+    if what == "whole":
+        return name, ComponentChoice("whole")
+    if what == "skip":
+        return name, ComponentChoice("skipped")
+    key, eq, value = what.partition("=")
+    if key != "tp" or not eq or not value.isdigit() or int(value) < 1:
+        raise bad
+    return name, ComponentChoice("sharded", int(value))
+
+
+def is_pipeline_folder(path: str | Path) -> bool:
+    """Whether `path` is a local diffusers pipeline folder (it holds a pipeline index)."""
+    folder = Path(path)
+    return folder.is_dir() and read_pipeline_index(folder) is not None
+
+
+@dataclass(frozen=True)
+class ComponentPlan:
+    """One component's decision: its record, and whether its folder is there to convert or copy."""
+
+    record: ComponentRecord
+    folder: Path | None  # the component's subfolder in the source (None: the index names no files for it)
+
+
+def _weights_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+
+
+def _shards_by_default(library: str, class_name: str, folder: Path) -> bool:
+    """A diffusers model with a plan: a built-in one for its class, or a transformer class (its own `_tp_plan`)."""
+    if library != "diffusers" or not (folder / CONFIG_NAME).is_file() or not _weights_bytes(folder):
+        return False
+    return builtin_plan_for_class(class_name) is not None or "Transformer" in class_name
+
+
+def plan_pipeline(
+    source: Path, index: PipelineIndex, mesh: MeshSpec, choices: dict[str, ComponentChoice]
+) -> list[ComponentPlan]:
+    """Every component's treatment, the user's choices applied.
+
+    Raises:
+        UsageError: a choice names no component of the pipeline, or asks to shard one that has no weights.
+    """
+    names = {c.name for c in index.components}
+    unknown = sorted(set(choices) - names)
+    if unknown:
+        raise UsageError(
+            f"--component {unknown[0]}: the pipeline has no such component; its components are "
+            f"{', '.join(sorted(names))}"
+        )
+    planned = []
+    for c in index.components:
+        folder = source / c.name
+        if c.library is None or c.class_name is None:
+            if c.name in choices:
+                raise UsageError(f"--component {c.name}: the pipeline's index names no model for it ([null, null])")
+            continue  # the pipeline does without it: the index says so already
+        if not folder.is_dir():
+            raise SourceNotFoundError(
+                f"the pipeline's index names {c.name} ({c.library}.{c.class_name}), but {folder} does not exist; "
+                f"complete the pipeline folder, or leave it out with --component {c.name}:skip"
+            )
+        choice = choices.get(c.name)
+        if choice is not None and choice.treatment == "skipped":
+            planned.append(ComponentPlan(ComponentRecord(c.name, c.library, c.class_name, "skipped"), None))
+            continue
+        if choice is None:
+            choice = ComponentChoice("sharded" if _shards_by_default(c.library, c.class_name, folder) else "whole")
+        tp = None
+        if choice.treatment == "sharded":
+            if not _weights_bytes(folder) and not any(folder.glob("*.safetensors.index.json")):
+                raise UsageError(
+                    f"--component {c.name}:tp=...: {c.name} holds no .safetensors weights to shard; use {c.name}:whole"
+                )
+            tp = choice.tp or mesh.tp
+        record = ComponentRecord(c.name, c.library, c.class_name, choice.treatment, tp, _weights_bytes(folder))
+        planned.append(ComponentPlan(record, folder))
+    return planned
+
+
+def _job_key(
+    source: Path, mesh: MeshSpec, planned: list[ComponentPlan], dtype: Any, plan: Any, keeps: dict[str, int]
+) -> str:
+    what = {
+        "keep_layers": keeps,
+        "source": str(source.resolve()),
+        "mesh": mesh.to_dict(),
+        "components": {p.record.name: p.record.to_dict() for p in planned},
+        "dtype": str(dtype),
+        "plan": str(plan),
+    }
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
+
+
+def _copy_tree(src: Path, dst: Path) -> None:
+    """Copy a component folder (copies, not hard links: a later edit of the source must not change the output)."""
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(src, dst, symlinks=False)
+
+
+def _source_stamp(folder: Path) -> dict[str, list[int]]:
+    return {
+        str(f.relative_to(folder)): [f.stat().st_size, f.stat().st_mtime_ns]
+        for f in sorted(folder.rglob("*"))
+        if f.is_file()
+    }
+
+
+def _copy_once(folder: Path, target: Path, work: Path, keep: int | None) -> LeftOut | None:
+    """Copy a whole component into the working folder (without its unread layers where `keep` says), unless an
+    earlier run of this job already did from the same source files (sizes and modification times, kept in a
+    hidden marker beside it): a resume does not copy a 62 GiB conditioner again."""
+    marker = work / f".{target.name}.copied"
+    stamp = _source_stamp(folder)
+    if marker.is_file() and target.is_dir():
+        try:
+            done = json.loads(marker.read_text())
+        except ValueError:
+            done = None
+        if isinstance(done, dict) and done.get("source") == stamp:
+            left = done.get("left_out")
+            return None if left is None else LeftOut.from_dict(left)
+    marker.unlink(missing_ok=True)
+    left = copy_keeping_layers(folder, target, keep) if keep is not None else None
+    if left is None:
+        _copy_tree(folder, target)
+    marker.write_text(json.dumps({"source": stamp, "left_out": None if left is None else left.to_dict()}))
+    return left
+
+
+def _output_index(index: PipelineIndex, planned: list[ComponentPlan]) -> str:
+    """The source index with skipped components set to [null, null] (diffusers then loads None for them)."""
+    data = dict(index.data)
+    for p in planned:
+        if p.record.treatment == "skipped" and isinstance(data.get(p.record.name), list):
+            entry = list(data[p.record.name])
+            entry[0] = entry[1] = None
+            data[p.record.name] = entry
+    return json.dumps(data, indent=2) + "\n"
+
+
+def layers_to_keep(
+    index: PipelineIndex, planned: list[ComponentPlan], given: Iterable[str] | dict[str, int | None] | None
+) -> dict[str, int]:
+    """Layers to keep per whole component: the user's `--keep-layers`, else what the pipeline documents."""
+    asked = dict(given) if isinstance(given, dict) else dict(parse_keep_layers(t) for t in (given or []))
+    by_name = {p.record.name: p for p in planned}
+    keeps: dict[str, int] = {}
+    for name, keep in asked.items():
+        p = by_name.get(name)
+        if p is None or p.record.treatment != "whole":
+            what = "no such component" if p is None else f"{name} is {p.record.treatment}"
+            raise UsageError(f"--keep-layers {name}: {what}; it applies to a component copied whole (a text encoder)")
+        if keep is not None:
+            keeps[name] = keep
+    for p in planned:
+        if p.record.name not in asked and p.record.treatment == "whole":
+            documented = documented_keep(index.pipeline_class, p.record.name, index.data)
+            if documented is not None:
+                keeps[p.record.name] = documented
+    return keeps
+
+
+def _finished_pipeline(
+    src: Path, output: Path, job: str, planned: list[ComponentPlan], mesh: MeshSpec, plan: Any, dtype: Any
+) -> PipelineRecord | None:
+    """The record in `output` if it holds exactly this job, finished: the same choices, every sharded component
+    exactly its conversion (`finished_conversion`: the source bytes re-hashed), every copied file there at its size
+    and modification time (copies keep the source's)."""
+    try:
+        record = read_pipeline_record(output) if output.is_dir() else None
+    except PreshardError:
+        return None
+    if record is None or record.job != job:
+        return None
+    for p in planned:
+        if p.folder is None or p.record.treatment == "skipped":
+            continue
+        if p.record.treatment == "sharded":
+            component_mesh = mesh if p.record.tp == mesh.tp else MeshSpec.build(p.record.tp)
+            conversion = plan_conversion(
+                src, mesh=component_mesh, plan=plan, dtype=dtype, subfolder=p.record.name, check_model=False
+            )
+            if finished_conversion(conversion, output / p.record.name) is None:
+                return None
+            continue
+        if existing := record.components.get(p.record.name):
+            if existing.left_out is not None:  # rewritten, not copied: its folder must be there (the job key holds
+                if not (output / p.record.name / CONFIG_NAME).is_file():  # the choice; the source is not re-read)
+                    return None
+                continue
+        for f in p.folder.rglob("*"):
+            if f.is_file():
+                copy = output / p.record.name / f.relative_to(p.folder)
+                a, b = f.stat(), copy.stat() if copy.is_file() else None
+                if b is None or (a.st_size, a.st_mtime_ns) != (b.st_size, b.st_mtime_ns):
+                    return None
+    return record
+
+
+def convert_pipeline(
+    source: str | Path,
+    output: str | Path,
+    *,
+    mesh: MeshSpec | None = None,
+    tp: int | None = None,
+    cp: int | None = None,
+    ring: int | None = None,
+    ulysses: int | None = None,
+    order: str | tuple[str, ...] | None = None,
+    components: dict[str, ComponentChoice] | Iterable[str] | None = None,
+    plan: str | Path | None = None,
+    dtype: Any = None,
+    overwrite: bool = False,
+    wait: bool = False,
+    progress: bool | None = None,
+    workers: int = 1,
+    outcomes: dict[str, ConversionOutcome] | None = None,
+    keep_layers: Iterable[str] | dict[str, int | None] | None = None,
+) -> PipelineRecord:
+    """Convert a diffusers pipeline folder into OUT: sharded components converted, the rest copied.
+
+    Args:
+        source: a local pipeline folder (with `model_index.json` or `modular_model_index.json`).
+        output: the folder to create; written atomically (it appears complete or not at all), resumably.
+        mesh, tp, cp, ring, ulysses, order: the mesh the sharded components are converted for (as
+            `convert_checkpoint`); a component's own `tp=` choice changes only its TP degree.
+        components: per-component choices, as `{name: ComponentChoice}` or strings `NAME:tp=N|whole|skip`.
+        plan: a plan for the sharded components (default: each one's own, from its config.json); only where one
+            component is sharded.
+        dtype, progress, workers: as `convert_checkpoint`, for each sharded component.
+        overwrite: replace an existing converted pipeline at `output`.
+        wait: wait for another conversion into `output` instead of failing at once.
+        outcomes: filled in with each sharded component's `ConversionOutcome` (converted, resumed, already converted).
+        keep_layers: `{name: K}` or strings `NAME:K` keep a whole text encoder's first K decoder layers and leave out
+            the rest and its head (`converter/left_out.py`); `NAME:all` (None) leaves nothing out. Default: where the
+            pipeline documents the hidden state it reads (MiniMax-H3: hidden_states[50], so 51 layers of 64).
+
+    Returns:
+        The pipeline record written to `output/preshard_pipeline.json`.
+
+    Raises:
+        SourceError: not a pipeline folder. UsageError: a bad choice or mesh. OutputError: an output that cannot be
+        written (exists, locked). Whatever `convert_checkpoint` raises for a component.
+    """
+    src = Path(source)
+    if not src.is_dir():
+        raise SourceNotFoundError(f"pipeline folder {source} does not exist; pass a diffusers pipeline folder")
+    index = read_pipeline_index(src)
+    if index is None:
+        raise SourceError(
+            f"{source} is not a pipeline folder (no model_index.json or modular_model_index.json); pass the "
+            "pipeline's folder, or convert one model's weights folder on its own"
+        )
+    job_mesh = resolve_mesh(mesh, tp, cp, ring, ulysses, order)
+    if components is None:
+        choices: dict[str, ComponentChoice] = {}
+    elif isinstance(components, dict):
+        choices = dict(components)
+    else:
+        choices = dict(parse_component_choice(text) for text in components)
+    planned = plan_pipeline(src, index, job_mesh, choices)
+    keeps = layers_to_keep(index, planned, keep_layers)
+    sharded = [p for p in planned if p.record.treatment == "sharded"]
+    if plan is not None and len(sharded) != 1:
+        raise UsageError(
+            f"--plan applies to one component, but {len(sharded)} are sharded; convert one with --subfolder NAME "
+            "--plan ..., or leave --plan out"
+        )
+    job = _job_key(src, job_mesh, planned, dtype, plan, keeps)
+    if not overwrite:
+        finished = _finished_pipeline(src, Path(output), job, planned, job_mesh, plan, dtype)
+        if finished is not None:
+            for p in sharded:
+                if outcomes is not None:
+                    outcomes.setdefault(p.record.name, ConversionOutcome()).status = "already converted"
+            return finished
+    out = check_output(Path(output), [src], overwrite, PIPELINE)
+    make_parents(out)
+    with OutputLock(out, wait=wait):
+        work = partial_dir(out)
+        left_out: dict[str, LeftOut | None] = {}
+        open_workdir(work, job)
+        for p in planned:
+            if p.folder is None or p.record.treatment == "skipped":
+                continue
+            target = work / p.record.name
+            if p.record.treatment == "whole":
+                left_out[p.record.name] = _copy_once(p.folder, target, work, keeps.get(p.record.name))
+                continue
+            component_mesh = job_mesh if p.record.tp == job_mesh.tp else MeshSpec.build(p.record.tp)
+            convert_checkpoint(
+                src, target, mesh=component_mesh, subfolder=p.record.name, plan=plan, dtype=dtype,
+                progress=progress, workers=min(workers, component_mesh.tp),
+                outcome=outcomes.setdefault(p.record.name, ConversionOutcome()) if outcomes is not None else None,
+            )  # fmt: skip
+        for extra in sorted(src.iterdir()):  # the index, README, LICENSE: top-level files as they are
+            if extra.is_file() and extra.name not in (index.file_name, PIPELINE_RECORD_NAME):
+                shutil.copy2(extra, work / extra.name)
+        (work / index.file_name).write_text(_output_index(index, planned))
+        record = PipelineRecord(
+            index_name=index.file_name,
+            pipeline_class=index.pipeline_class,
+            mesh=job_mesh.to_dict(),
+            components={p.record.name: replace(p.record, left_out=left_out.get(p.record.name)) for p in planned},
+            source=str(source),
+            created=created_now(),
+            job=job,
+        )
+        (work / JOB_NAME).unlink(missing_ok=True)
+        for marker in work.glob(".*.copied"):
+            marker.unlink()
+        path = work / PIPELINE_RECORD_NAME  # last: a partial folder without it is never mistaken for an output
+        path.write_text(dumps_indented(record.to_dict()) + "\n")
+        fsync_file(path)
+        fsync_dir(work)
+        commit(work, out)
+    return record

@@ -1,0 +1,370 @@
+"""A pipeline folder converted as one and loaded as one: a tiny Wan pipeline folder (`model_index.json`) and a tiny
+MiniMax-H3 modular t2va pipeline folder (`modular_model_index.json`), both built offline, converted by one
+`convert-checkpoint PIPELINE OUT --tp 2` each; `load_pipeline` on 2 gloo ranks (tp=2) and on 4 (tp=2 x ulysses=2)
+gives every rank the unsharded pipeline's latents within 1e-5, with the transformer really sharded (its hooks and
+reads counted).
+
+Also: the copy is complete (every file of every component kept whole is in OUT, byte for byte, and the index is
+the source's), per-component choices (skip, whole, tp=N, refused ones), a re-run that finds the job finished, an
+interrupted conversion that leaves no output and resumes keeping what was written, the output lock, and the
+one-line errors of loading what is not a converted pipeline.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from multiproc import init_gloo, run_ranks
+
+pytestmark = pytest.mark.timeout(900)
+
+TOL = 1e-5  # float32
+
+
+def _wan_case():
+    from tiny_pipelines import CASES
+
+    return CASES["wan"]()
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> dict[str, Path]:
+    from preshard.examples import minimax_h3_pipeline as h3
+
+    root = tmp_path_factory.mktemp("pipeline-sources")
+    wan = _wan_case()
+    wan.pipeline(wan.transformer(), wan.components()).save_pretrained(root / "wan")
+    h3.save_pipeline_folder(root / "h3", h3.build_transformer(), h3.build_text_components())
+    return {"wan": root / "wan", "h3": root / "h3"}
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[str, dict[str, torch.Tensor]]:
+    """The unsharded pipelines' latents from seed 0 (built in memory, not from the folders)."""
+    from preshard.examples import minimax_h3_pipeline as h3
+
+    wan = _wan_case()
+    refs = {"wan": wan.run(wan.pipeline(wan.transformer(), wan.components()), torch.Generator().manual_seed(0))}
+    refs["h3"] = h3.generate(h3.build_pipeline(h3.build_transformer(), h3.build_text_components()))
+    return refs
+
+
+@pytest.fixture(scope="module")
+def converted(sources, tmp_path_factory) -> dict[str, Path]:
+    from clitools import cli_runner
+
+    from preshard.cli import convert_checkpoint_command
+
+    root = tmp_path_factory.mktemp("pipeline-converted")
+    out = {}
+    for name, source in sources.items():
+        run = cli_runner().invoke(
+            convert_checkpoint_command, [str(source), str(root / name), "--tp", "2", "--no-progress", "--json"]
+        )
+        assert run.exit_code == 0, run.stderr
+        out[name] = root / name
+    return out
+
+
+def _max_diff(got: dict, want: dict) -> float:
+    assert set(got) == set(want)
+    return max((got[k].float() - want[k].float()).abs().max().item() for k in want)
+
+
+def _rank(rank: int, world: int, converted: dict, refs: dict, ulysses: int) -> dict:
+    from preshard.examples import minimax_h3_pipeline as h3
+    from preshard.runtime.pipeline_load import load_pipeline
+
+    init_gloo()
+    results = {}
+    wan = load_pipeline(converted["wan"], ulysses=ulysses)
+    calls: list[int] = []
+    wan.transformer.register_forward_pre_hook(lambda module, args: calls.append(1))
+    got = _wan_case().run(wan, torch.Generator().manual_seed(0))
+    report = wan.preshard_sharded_components["transformer"]
+    results["wan"] = {
+        "diff": _max_diff(got, refs["wan"]),
+        "calls": len(calls),
+        "tp_hooks": len(report.modules_with("tp:")),
+        "cp_hooks": len(report.modules_with("cp: attention")),
+        "sharded": sorted(wan.preshard_sharded_components),
+        "vae_device": str(next(wan.vae.parameters()).device),
+    }
+    processor = h3.build_text_components()["processor"]  # the folder holds none (see save_pipeline_folder)
+    pipe = load_pipeline(
+        converted["h3"], ulysses=ulysses, components={"processor": processor}, blocks=h3.pipeline_blocks()
+    )
+    report = pipe.preshard_sharded_components["transformer"]
+    results["h3"] = {
+        "diff": _max_diff(h3.generate(pipe), refs["h3"]),
+        "tp_hooks": len(report.modules_with("tp:")),
+        "cp_hooks": len(report.modules_with("cp: attention")),
+        "sharded": sorted(pipe.preshard_sharded_components),
+        "text_encoder": type(pipe.text_encoder).__name__,
+    }
+    return results
+
+
+@pytest.mark.parametrize("world,ulysses", [(2, 1), (4, 2)], ids=["tp2", "tp2-ulysses2"])
+def test_load_pipeline_gives_the_unsharded_latents(converted, references, world, ulysses):
+    for rank, results in enumerate(run_ranks(_rank, world, converted, references, ulysses, timeout=600)):
+        wan, h3 = results["wan"], results["h3"]
+        assert wan["diff"] <= TOL and h3["diff"] <= TOL, (rank, wan["diff"], h3["diff"])
+        assert wan["calls"] == 2  # the pipeline ran the sharded transformer, twice
+        assert wan["sharded"] == h3["sharded"] == ["transformer"]
+        assert wan["tp_hooks"] > 0 and h3["tp_hooks"] > 0  # sharded, not a whole copy: TP hooks in place
+        assert (wan["cp_hooks"] > 0) == (h3["cp_hooks"] > 0) == (ulysses > 1)
+        assert wan["vae_device"] == "cpu"
+        assert h3["text_encoder"] == "Qwen3VLForConditionalGeneration"
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(f.relative_to(folder)): f.read_bytes() for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("name", ["wan", "h3"])
+def test_the_copy_is_complete(sources, converted, name):
+    from preshard.format.manifest import read_manifest
+    from preshard.format.pipeline_record import read_pipeline_record
+
+    source, out = sources[name], converted[name]
+    record = read_pipeline_record(out)
+    assert record is not None and record.mesh["tp"] == 2
+    assert {n: c.treatment for n, c in record.components.items() if c.treatment == "sharded"} == {
+        "transformer": "sharded"
+    }
+    assert read_manifest(out / "transformer").mesh.tp == 2
+    rewritten = {n for n, c in record.components.items() if c.left_out is not None}
+    assert rewritten == ({"text_encoder"} if name == "h3" else set())  # MiniMax-H3 documents what it reads
+
+    def kept(path: str) -> bool:
+        return path.split("/")[0] not in {"transformer", *rewritten}
+
+    want = {k: v for k, v in _files(source).items() if kept(k)}
+    got = {k: v for k, v in _files(out).items() if kept(k) and k != "preshard_pipeline.json"}
+    assert json.loads(got.pop(record.index_name)) == json.loads(want.pop(record.index_name))
+    assert got == want  # every other file, byte for byte, and nothing else
+    for n, c in record.components.items():
+        assert c.treatment in ("sharded", "whole"), n
+    for n in rewritten:  # the kept tensors byte for byte, the left-out ones absent
+        from safetensors import safe_open
+
+        left = record.components[n].left_out
+        with (
+            safe_open(source / n / "model.safetensors", "pt") as a,
+            safe_open(out / n / "model.safetensors", "pt") as b,
+        ):
+            assert set(b.keys()) < set(a.keys()) and len(a.keys()) - len(b.keys()) == left.tensors
+            assert all(torch.equal(a.get_tensor(k), b.get_tensor(k)) for k in b.keys())
+            assert "lm_head.weight" in a.keys() and "lm_head.weight" not in b.keys()
+
+
+@pytest.mark.quick
+def test_a_rerun_finds_the_job_finished_and_another_job_is_refused(sources, converted):
+    from preshard.converter.pipeline_folder import convert_pipeline
+    from preshard.errors import OutputExistsError
+
+    outcomes: dict = {}
+    before = (converted["wan"] / "preshard_pipeline.json").read_bytes()
+    convert_pipeline(sources["wan"], converted["wan"], tp=2, progress=False, outcomes=outcomes)
+    assert outcomes["transformer"].status == "already converted"
+    assert (converted["wan"] / "preshard_pipeline.json").read_bytes() == before  # nothing written
+    with pytest.raises(OutputExistsError, match="--overwrite"):
+        convert_pipeline(sources["wan"], converted["wan"], tp=2, components=["vae:skip"], progress=False)
+
+
+@pytest.mark.quick
+def test_component_choices(sources, tmp_path):
+    from preshard.converter.pipeline_folder import convert_pipeline
+    from preshard.errors import UsageError
+
+    out = tmp_path / "out"
+    record = convert_pipeline(sources["wan"], out, tp=2, components=["vae:skip", "transformer:tp=1"], progress=False)
+    assert record.components["vae"].treatment == "skipped" and not (out / "vae").exists()
+    assert json.loads((out / "model_index.json").read_text())["vae"] == [None, None]  # diffusers loads None
+    assert record.components["transformer"].tp == 1
+    from preshard.format.manifest import read_manifest
+
+    assert read_manifest(out / "transformer").mesh.tp == 1
+    whole = convert_pipeline(sources["wan"], tmp_path / "whole", tp=2, components=["transformer:whole"], progress=False)
+    assert not whole.sharded()
+    assert _files(tmp_path / "whole" / "transformer") == _files(sources["wan"] / "transformer")
+    for bad, says in [
+        ("nosuch:skip", "the pipeline has no such component; its components are"),
+        ("vae:tp", "is not NAME:tp=N"),
+        ("vae", "is not NAME:tp=N"),
+        ("transformer_2:whole", "names no model for it"),
+        ("scheduler:tp=2", "holds no .safetensors weights to shard; use scheduler:whole"),
+    ]:
+        with pytest.raises(UsageError, match=says) as info:
+            convert_pipeline(sources["wan"], tmp_path / "never", tp=2, components=[bad], progress=False)
+        assert "\n" not in str(info.value)
+    assert not (tmp_path / "never").exists()
+
+
+@pytest.mark.quick
+def test_an_interrupted_conversion_leaves_no_output_and_resumes(sources, tmp_path, monkeypatch):
+    from preshard.converter import convert
+    from preshard.converter.pipeline_folder import convert_pipeline
+    from preshard.converter.workdir import partial_dir
+
+    out = tmp_path / "out"
+    monkeypatch.setattr(convert, "SYNC_MIN_BYTES", 1)  # journal after every tensor
+    written: list[str] = []
+
+    def crash(name: str) -> None:
+        written.append(name)
+        if len(written) == 10:
+            raise RuntimeError("simulated crash")
+
+    monkeypatch.setattr(convert, "_after_tensor_hook", crash)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        convert_pipeline(sources["wan"], out, tp=2, progress=False)
+    assert not out.exists() and partial_dir(out).is_dir()  # nothing half-written at OUT
+    from preshard.converter import pipeline_folder
+
+    copies: list[str] = []
+    real_copy = pipeline_folder._copy_tree
+    monkeypatch.setattr(pipeline_folder, "_copy_tree", lambda a, b: (copies.append(b.name), real_copy(a, b)))
+    written.clear()
+    monkeypatch.setattr(convert, "_after_tensor_hook", written.append)
+    outcomes: dict = {}
+    convert_pipeline(sources["wan"], out, tp=2, progress=False, outcomes=outcomes)
+    from preshard.format.manifest import read_manifest
+
+    total = len(read_manifest(out / "transformer").tensors)
+    assert outcomes["transformer"].status == "resumed" and outcomes["transformer"].kept_tensors >= 1
+    assert len(written) < total  # the resumed run wrote only what was not kept
+    # Copied before the crash (index order: scheduler, text_encoder, tokenizer, then the transformer), not again.
+    assert copies == ["vae"], copies
+    assert not list(out.glob(".*"))  # no marker left in the output
+    assert not partial_dir(out).exists()
+
+
+@pytest.mark.quick
+def test_a_pipeline_being_converted_is_locked(sources, tmp_path):
+    from preshard.converter.pipeline_folder import convert_pipeline
+    from preshard.converter.workdir import OutputLock
+    from preshard.errors import OutputLockedError
+
+    out = tmp_path / "out"
+    with OutputLock(out.resolve()), pytest.raises(OutputLockedError):
+        convert_pipeline(sources["wan"], out, tp=2, progress=False)
+    assert not out.exists()
+
+
+@pytest.mark.quick
+def test_loading_what_is_not_a_converted_pipeline_is_one_line(sources, tmp_path):
+    from preshard.errors import CheckpointNotFoundError, UsageError
+    from preshard.runtime.pipeline_load import load_pipeline
+
+    with pytest.raises(UsageError, match="not a converted pipeline") as info:
+        load_pipeline(sources["wan"])  # the source folder: no record
+    assert "\n" not in str(info.value)
+    with pytest.raises(CheckpointNotFoundError, match="does not exist"):
+        load_pipeline(tmp_path / "missing")
+
+
+@pytest.mark.quick
+def test_subfolder_still_converts_one_component(sources, tmp_path):
+    from clitools import cli_runner
+
+    from preshard.cli import convert_checkpoint_command
+
+    out = tmp_path / "one"
+    args = [str(sources["wan"]), str(out), "--tp", "2", "--subfolder", "transformer", "--no-progress"]
+    run = cli_runner().invoke(convert_checkpoint_command, args)
+    assert run.exit_code == 0, run.stderr
+    assert (out / "manifest.json").is_file() and not (out / "preshard_pipeline.json").exists()
+    run = cli_runner().invoke(convert_checkpoint_command, [*args[:-1], "--component", "vae:skip"])
+    assert run.exit_code != 0 and "--component and --keep-layers apply to a pipeline folder" in run.stderr
+
+
+def test_the_conditioner_without_its_unread_layers(tmp_path):
+    """MiniMax-H3 reads hidden_states[50]: of a 54-layer conditioner, layers 51-53 and the head are left out by
+    default; hidden_states[0..50] equal the whole model's, a later one (or [-1], or the head) is refused in one
+    line. Negative control: the whole model's hidden_states[51] differs from what the truncated one holds there."""
+    from preshard.converter.pipeline_folder import convert_pipeline
+    from preshard.errors import UsageError
+    from preshard.examples import minimax_h3_pipeline as h3
+    from preshard.runtime.pipeline_load import load_pipeline
+
+    components = h3.build_text_components(layers=54)
+    h3.save_pipeline_folder(tmp_path / "src", h3.build_transformer(), components)
+    record = convert_pipeline(tmp_path / "src", tmp_path / "out", tp=1, progress=False)
+    left = record.components["text_encoder"].left_out
+    assert left is not None and (left.keep_layers, left.layers, left.names) == (51, 54, ("lm_head",))
+    assert left.tensors == 3 * 11 + 1  # three decoder layers of 11 tensors, and the head
+    pipe = load_pipeline(
+        tmp_path / "out", components={"processor": components["processor"]}, blocks=h3.pipeline_blocks()
+    )
+    encoder = pipe.text_encoder
+    assert encoder.preshard_left_out == left and encoder.config.text_config.num_hidden_layers == 51
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    with torch.no_grad():
+        whole = components["text_encoder"].model(input_ids=ids, output_hidden_states=True, use_cache=False)
+        truncated = encoder.model(input_ids=ids, output_hidden_states=True, use_cache=False)
+    assert torch.equal(truncated.hidden_states[50], whole.hidden_states[50])
+    assert torch.equal(truncated.hidden_states[:51][7], whole.hidden_states[7])
+    assert not torch.equal(tuple.__getitem__(truncated.hidden_states, 51), whole.hidden_states[51])  # why refuse
+    for call in (
+        lambda: truncated.hidden_states[51],
+        lambda: truncated.hidden_states[-1],
+        lambda: truncated.hidden_states[40:],
+        lambda: encoder(input_ids=ids),  # the top-level forward needs the head
+    ):
+        with pytest.raises(UsageError, match="was left out of this conversion") as info:
+            call()
+        assert "\n" not in str(info.value) and "--keep-layers text_encoder:all" in str(info.value)
+    kept_all = convert_pipeline(
+        tmp_path / "src", tmp_path / "all", tp=1, progress=False, keep_layers=["text_encoder:all"]
+    )
+    assert kept_all.components["text_encoder"].left_out is None
+    with pytest.raises(UsageError, match="applies to a component copied whole"):
+        convert_pipeline(tmp_path / "src", tmp_path / "no", tp=1, progress=False, keep_layers=["transformer:3"])
+
+
+def test_wan_22_two_experts_are_both_sharded(sources, tmp_path):
+    """Wan 2.2 A14B ships two experts (transformer, transformer_2): both are converted, and both load sharded."""
+    import shutil
+
+    from preshard.converter.pipeline_folder import convert_pipeline
+    from preshard.runtime.pipeline_load import load_pipeline
+
+    src = tmp_path / "wan22"
+    shutil.copytree(sources["wan"], src)
+    shutil.copytree(src / "transformer", src / "transformer_2")
+    index = json.loads((src / "model_index.json").read_text())
+    index["transformer_2"], index["boundary_ratio"] = ["diffusers", "WanTransformer3DModel"], 0.5
+    (src / "model_index.json").write_text(json.dumps(index))
+    record = convert_pipeline(src, tmp_path / "out", tp=1, progress=False)
+    assert [c.name for c in record.sharded()] == ["transformer", "transformer_2"]
+    pipe = load_pipeline(tmp_path / "out")
+    assert sorted(pipe.preshard_sharded_components) == ["transformer", "transformer_2"]
+    assert pipe.transformer_2 is not pipe.transformer and hasattr(pipe.transformer_2, "preshard_report")
+
+
+def test_a_converted_pipeline_loads_from_the_hub(sources, references, tmp_path, fake_hub):
+    """Uploaded whole, a converted pipeline loads by its repo id: the components kept whole from one snapshot (no
+    shard among them), the transformer's shards fetched by load_sharded, the latents the unsharded pipeline's."""
+    from preshard.converter.pipeline_folder import convert_pipeline
+    from preshard.errors import CheckpointNotFoundError
+    from preshard.runtime.pipeline_load import load_pipeline
+
+    out = tmp_path / "wan-tp1"
+    convert_pipeline(sources["wan"], out, tp=1, progress=False)
+    files = {str(f.relative_to(out)): f.read_bytes() for f in out.rglob("*") if f.is_file()}
+    fake_hub.add_repo("org/wan-tp1", files)
+    pipe = load_pipeline("org/wan-tp1")
+    got = _wan_case().run(pipe, torch.Generator().manual_seed(0))
+    assert _max_diff(got, references["wan"]) <= TOL
+    downloaded = fake_hub.downloaded("org/wan-tp1")
+    assert sorted(p for p in downloaded if p.endswith(".distcp")) == ["transformer/__0_0.distcp"]  # fetched once
+    assert "vae/diffusion_pytorch_model.safetensors" in downloaded
+    with pytest.raises(CheckpointNotFoundError, match="could not be fetched from the Hub") as info:
+        load_pipeline("org/no-such-pipeline")
+    assert "\n" not in str(info.value)
