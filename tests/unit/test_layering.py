@@ -40,6 +40,8 @@ RULES: dict[str, set[str]] = {
     # reshard/unshard write through the converter.
     "tools/planner.py": {"format", "plans", "sources", "converter", "tools/estimate.py", "tools/unshard.py"},
     "tools/estimate.py": {"format", "sources"},
+    # --show-plan: the plan a conversion would choose, written as a plan file.
+    "tools/show_plan.py": {"format", "plans", "sources"},
     "tools/reshard.py": {"format", "plans", "sources", "converter"},
     "tools/unshard.py": {"format", "sources", "converter"},
     "examples": {"examples"},

@@ -15,6 +15,7 @@ is divided; every attention module runs context parallel.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -61,7 +62,16 @@ def plan_from_model_class(class_name: str, config: dict[str, Any], *, infer: boo
     if infer or not getattr(cls, "_tp_plan", None):
         from preshard.plans.infer import infer_plan
 
-        return infer_plan(model, config)
+        inferred = infer_plan(model, config)
+        cp = getattr(cls, "_cp_plan", None)
+        if not cp:
+            return inferred
+        return replace(
+            inferred,
+            description=f"{inferred.description}, with the class's _cp_plan",
+            cp_plan=cp_plan_from_diffusers(cp),
+            cp_join_order=DIFFUSERS_CP_JOIN_ORDER.get(class_name),
+        )
     return plan_from_model(model, config)
 
 

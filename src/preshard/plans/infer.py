@@ -61,7 +61,8 @@ _ADALN = re.compile(r"(^|\.)(norm[^.]*\.linear|[^.]*adaln[^.]*|[^.]*modulation[^
 
 
 def infer_plan(model: nn.Module, config: dict[str, Any] | None = None) -> Plan:
-    """The TP plan `model`'s modules call for (see the module docstring), with the class's `_cp_plan` if any.
+    """The TP plan `model`'s modules call for (see the module docstring); no CP plan (`plan_from_model_class`
+    adds the class's `_cp_plan`).
 
     Args:
         model: the model, on the meta device (no memory needed).
@@ -96,9 +97,6 @@ def infer_plan(model: nn.Module, config: dict[str, Any] | None = None) -> Plan:
             f"{origin}: found no attention or feed-forward module to shard in {cls.__name__}; "
             "write a plan file and pass --plan plan.json"
         )
-    from preshard.plans.from_model import DIFFUSERS_CP_JOIN_ORDER, cp_plan_from_diffusers
-
-    cp = getattr(cls, "_cp_plan", None)
     config = config or {}
     return Plan(
         name=f"inferred-{cls.__name__}",
@@ -106,10 +104,7 @@ def infer_plan(model: nn.Module, config: dict[str, Any] | None = None) -> Plan:
         attention=tuple(_fold_attention(divides, modules)),
         config_divisible=tuple(k for k in HEAD_CONFIG_KEYS if _is_int(config.get(k))),
         model_classes=(cls.__name__,),
-        description=f"inferred by preshard from the modules of {cls.__name__}"
-        + (", with the class's _cp_plan" if cp else ""),
-        cp_plan=cp_plan_from_diffusers(cp) if cp else None,
-        cp_join_order=DIFFUSERS_CP_JOIN_ORDER.get(cls.__name__) if cp else None,
+        description=f"inferred by preshard from the modules of {cls.__name__}",
         origin=origin,
     )
 
@@ -316,11 +311,17 @@ def _adaln(model: nn.Module, modules: dict[str, nn.Module], styles: dict[str, St
             styles[name] = ReplicatedInputRowwise()
 
 
+def _fold(name: str) -> str:
+    """Numbered blocks as `*`, but a last component kept (`to_out.0` must not also name the Dropout `to_out.1`)."""
+    head, dot, last = name.rpartition(".")
+    return f"{folded(head)}{dot}{last}" if dot else name
+
+
 def _fold_rules(styles: dict[str, Style], modules: dict[str, nn.Module]) -> Iterable[LinearRule]:
     """One rule per pattern with numbered blocks as `*` where every module it matches has the same style."""
     groups: dict[str, list[str]] = {}
     for name in styles:
-        groups.setdefault(folded(name), []).append(name)
+        groups.setdefault(_fold(name), []).append(name)
     rules: list[LinearRule] = []
     for pattern, names in groups.items():
         kinds = {styles[n] for n in names}
@@ -335,7 +336,7 @@ def _fold_rules(styles: dict[str, Style], modules: dict[str, nn.Module]) -> Iter
 def _fold_attention(divides: dict[str, tuple[str, ...]], modules: dict[str, nn.Module]) -> list[AttentionRule]:
     groups: dict[str, list[str]] = {}
     for name in divides:
-        groups.setdefault(folded(name), []).append(name)
+        groups.setdefault(_fold(name), []).append(name)
     rules = []
     for pattern, names in groups.items():
         kinds = {divides[n] for n in names}
