@@ -28,6 +28,8 @@ def _decode(value: Any, gen: torch.Generator) -> Any:
         if "values" in value:
             return torch.tensor(value["values"], dtype=dtype).reshape(value["tensor"])
         return torch.randn(value["tensor"], generator=gen).to(dtype)
+    if isinstance(value, dict) and "int_keys" in value:
+        return {int(k): _decode(v, gen) for k, v in value["int_keys"].items()}
     if isinstance(value, dict) and "dict" in value:
         return {k: _decode(v, gen) for k, v in value["dict"].items()}
     if isinstance(value, dict) and "tuple" in value:

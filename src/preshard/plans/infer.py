@@ -10,6 +10,7 @@ runs replicated, unchanged and correct:
   packed blocks) and MLP modules of two or three Linear layers (up/gate colwise, down rowwise);
 - single-stream blocks whose attention has no output projection and whose `proj_out` takes `cat([attn, mlp])`:
   `proj_out` packed rowwise with the attention's and the MLP's widths;
+- rotary tables that span every head at once (LTX-Video's): each rank slices its part (`tp_split_outputs`);
 - AdaLN modulation projections, split along their (replicated) input with `replicated_input_rowwise`, only where
   together they are more than a tenth of the parameters (else the all-reduce costs more than the memory saved).
 
@@ -30,7 +31,7 @@ from typing import Any
 from torch import nn
 
 from preshard.errors import PlanError
-from preshard.format.plan import AttentionRule, LinearRule, Plan, matches
+from preshard.format.plan import AttentionRule, LinearRule, Plan, SeqDim, matches
 from preshard.format.styles import (
     Colwise,
     PackedColwise,
@@ -92,6 +93,7 @@ def infer_plan(model: nn.Module, config: dict[str, Any] | None = None) -> Plan:
         if name and not name.startswith(inside) and name not in styles:
             _feed_forward(name, module, styles)
     _adaln(model, modules, styles)
+    split_outputs = _rotary_across_heads(modules, styles, attention, inside)
     if not any(style.name != "replicate" for style in styles.values()):
         raise PlanError(
             f"{origin}: found no attention or feed-forward module to shard in {cls.__name__}; "
@@ -106,6 +108,7 @@ def infer_plan(model: nn.Module, config: dict[str, Any] | None = None) -> Plan:
         model_classes=(cls.__name__,),
         description=f"inferred by preshard from the modules of {cls.__name__}",
         origin=origin,
+        tp_split_outputs=split_outputs,
     )
 
 
@@ -191,6 +194,9 @@ def _attention(
             "split); write a plan file for this model (--plan FILE)"
         )
     attrs = tuple(a for a in HEAD_ATTRIBUTES if _is_int(getattr(module, a, None)))
+    query = getattr(module, "to_q", None)
+    if isinstance(query, nn.Linear) and _int_attr(module, "out_dim") == query.out_features:
+        attrs += ("out_dim",)  # as wide as the heads (OmniGen reshapes the heads' output by it), so divided too
     if not {"heads", "num_heads", "num_attention_heads"} & set(attrs):
         raise PlanError(f"{origin}: attention {name} has no integer head count (heads) to divide by the TP degree")
     divides[name] = attrs
@@ -309,6 +315,26 @@ def _adaln(model: nn.Module, modules: dict[str, nn.Module], styles: dict[str, St
     if total and share > ADALN_SHARE * total:
         for name in found:
             styles[name] = ReplicatedInputRowwise()
+
+
+def _rotary_across_heads(
+    modules: dict[str, nn.Module], styles: dict[str, Style], attention: list[str], inside: tuple[str, ...]
+) -> dict[str, dict[int, SeqDim]]:
+    """Rotary modules outside attention whose (cos, sin) tables span every head at once (`dim` as wide as a
+    column-split query, LTX-Video's): each rank slices its part of the last dim, as the queries it rotates."""
+    head_dims = {_head_dim(modules[name]) for name in attention}
+    widths = set()
+    for name, style in styles.items():
+        linear = modules[name]
+        if name.startswith(inside) and style.name == "colwise" and isinstance(linear, nn.Linear):
+            widths.add(linear.out_features)
+    found: dict[str, dict[int, SeqDim]] = {}
+    for name, module in modules.items():
+        dim = _int_attr(module, "dim")
+        rotary = re.search(r"rotary|rope", type(module).__name__, re.IGNORECASE)
+        if name and rotary and not name.startswith(inside) and dim in widths and dim not in head_dims:
+            found[name] = {0: SeqDim(-1), 1: SeqDim(-1)}
+    return found
 
 
 def _fold(name: str) -> str:
