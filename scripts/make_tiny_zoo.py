@@ -3,9 +3,10 @@ from diffusers' own model tests (run from a checkout of diffusers' repository, w
 
     python scripts/make_tiny_zoo.py DIFFUSERS_REPO tests/support/tiny_zoo.json
 
-Each entry: the class, its init kwargs, and its inputs as data (a tensor of at most 4096 entries by value, a larger
-float tensor by shape and dtype, drawn again from a seed by tests/support/tiny_zoo.py). Not run in CI: the JSON is
-committed, so the tests need neither the repository nor its test helpers.
+Each entry: the class, its init kwargs, and its inputs as data (a tensor of at most 64 entries, an integer tensor or
+a mask by value; a larger float tensor by shape and dtype, drawn again from a seed by tests/support/tiny_zoo.py).
+Entries whose model does not run on the inputs as decoded are left out. Not run in CI: the JSON is committed, so
+the tests need neither the repository nor its test helpers.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 
-SMALL = 4096  # entries: a tensor up to this size is kept by value (masks, ids), a larger float one by shape
+SMALL = 64
 # Tests' configs with one head (or one KV head) where TP needs two: more heads of the same width, so that tp=2
 # can be proven on them (the published configs have many).
 OVERRIDES: dict[str, dict[str, Any]] = {
@@ -31,11 +32,12 @@ OVERRIDES: dict[str, dict[str, Any]] = {
 }
 
 
-def encode(value: Any) -> Any:
+def encode(value: Any, keep: bool = False) -> Any:
+    """`value` as JSON data; `keep`: a float tensor by value whatever its size (an attention mask)."""
     if isinstance(value, torch.Tensor):
         t = value.detach().cpu()
         data: dict[str, Any] = {"tensor": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
-        if t.numel() <= SMALL or not t.is_floating_point():
+        if keep or t.numel() <= SMALL or not t.is_floating_point():
             data["values"] = t.flatten().tolist()
         return data
     if isinstance(value, tuple):
@@ -45,7 +47,7 @@ def encode(value: Any) -> Any:
     if isinstance(value, dict) and value and all(isinstance(k, int) for k in value):
         return {"int_keys": {str(k): encode(v) for k, v in value.items()}}
     if isinstance(value, dict):
-        return {"dict": {k: encode(v) for k, v in value.items()}}
+        return {"dict": {k: encode(v, keep or "mask" in k) for k, v in value.items()}}
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     raise TypeError(type(value).__name__)
@@ -131,7 +133,7 @@ def main(repo: str, out: str) -> None:
                 print(f"skip {key}: its forward fails from the JSON: {why}"[:200], file=sys.stderr)
                 continue
             zoo[key] = entry
-    Path(out).write_text(json.dumps(zoo, indent=1, sort_keys=True) + "\n")
+    Path(out).write_text(json.dumps(zoo, sort_keys=True, separators=(",", ":")).replace('},"', '},\n"') + "\n")
     print(f"{len(zoo)} cases, {len({v['class'] for v in zoo.values()})} classes")
 
 

@@ -31,7 +31,6 @@ TOL = 1e-5
 # Classes that convert but do not load as they should, each with why (strict: fixing one fails the test until it
 # is taken off the list).
 KNOWN_FAILURES = {
-    "OmniGenTransformer2DModel": "the tiny inputs' attention mask, drawn at random, makes the output NaN",
     "HeliosTransformer3DModel": "its _cp_plan names blocks beyond the tiny config's (tp2 alone matches)",
 }
 ASSEMBLED = assembled_model.AssembledTransformer2DModel.__name__
