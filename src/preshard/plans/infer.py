@@ -330,9 +330,10 @@ def _rotary_across_heads(
             widths.add(linear.out_features)
     found: dict[str, dict[int, SeqDim]] = {}
     for name, module in modules.items():
+        if not name or name.startswith(inside) or not re.search(r"rotary|rope", type(module).__name__, re.I):
+            continue
         dim = _int_attr(module, "dim")
-        rotary = re.search(r"rotary|rope", type(module).__name__, re.IGNORECASE)
-        if name and rotary and not name.startswith(inside) and dim in widths and dim not in head_dims:
+        if dim in widths and dim not in head_dims:
             found[name] = {0: SeqDim(-1), 1: SeqDim(-1)}
     return found
 
