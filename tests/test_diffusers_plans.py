@@ -165,9 +165,8 @@ def test_a_plan_rule_on_something_else_than_a_linear_is_refused():
         plan_from_model(Model())
 
 
-def test_classes_without_a_plan_or_unknown_to_diffusers_say_how_to_give_one():
-    with pytest.raises(PlanError, match="declares no _tp_plan .* pass --plan plan.json"):
-        plan_from_model_class("AutoencoderKL", {})
+def test_classes_without_a_plan_get_one_inferred_and_unknown_classes_say_how_to_give_one():
+    assert plan_from_model_class("AutoencoderKL", {}).name == "inferred-AutoencoderKL"  # no _tp_plan: inferred
     with pytest.raises(PlanError, match="has no such model class; pass --plan"):
         plan_from_model_class("NoSuchTransformer", {})
 

@@ -392,7 +392,7 @@ def test_an_ltx2_variant_the_plan_is_not_made_for_is_refused(tmp_path):
         convert_checkpoint(source, tmp_path / "out", tp=2, progress=False)
 
 
-def test_a_class_without_any_plan_is_refused_naming_the_module_that_blocks_it(tmp_path):
+def test_a_class_without_any_plan_converts_with_the_plan_inferred_from_its_modules(tmp_path):
     from diffusers import CogVideoXTransformer3DModel
 
     model = CogVideoXTransformer3DModel(
@@ -400,13 +400,10 @@ def test_a_class_without_any_plan_is_refused_naming_the_module_that_blocks_it(tm
         time_embed_dim=8, sample_width=4, sample_height=4, sample_frames=5, patch_size=2,
     )  # fmt: skip
     source = save(model, tmp_path / "cogvideox")
-    with pytest.raises(
-        PlanError,
-        match=r"CogVideoXTransformer3DModel declares no _tp_plan and preshard has no built-in plan for it: nothing "
-        r"says how to split its attention across TP ranks \(first: transformer_blocks\.0\.attn1 \(Attention, 2 "
-        r"heads\)\)",
-    ):
-        convert_checkpoint(source, tmp_path / "out", tp=2, progress=False)
+    convert_checkpoint(source, tmp_path / "out", tp=2, progress=False)
+    plan = read_manifest(tmp_path / "out").plan
+    assert plan.name == "inferred-CogVideoXTransformer3DModel"
+    assert {r.match: r.style.name for r in plan.linear}["transformer_blocks.*.attn1.to_q"] == "colwise"
 
 
 def test_skyreels_and_vace_have_cp_plans_of_their_own(checkpoints):

@@ -228,7 +228,10 @@ class _ConvertCommand(Command):
 @click.option("--ring", type=click.IntRange(min=1), default=None, help="Ring-attention degree.")
 @click.option("--ulysses", type=click.IntRange(min=1), default=None, help="Ulysses degree.")
 @click.option("--order", default=None, help="Mesh axis order, default tp,ring,ulysses (last varies fastest).")
-@click.option("--plan", "plan", default=None, help="Built-in plan name or JSON plan file (default: from config.json).")
+@click.option(
+    "--plan", "plan", default=None,
+    help="Built-in plan name, JSON plan file, or auto (inferred from the model's modules); default: from config.json.",
+)  # fmt: skip
 @click.option("--dtype", default=None, help="Cast floating tensors: bf16, fp16 or fp32 (default: keep each dtype).")
 @click.option(
     "--lora",
@@ -527,7 +530,10 @@ def unshard_command(checkpoint, output, subfolder, revision, token, overwrite, w
 @click.option(
     "--device-memory", type=click.FloatRange(min=0, min_open=True), default=None, help="Memory of one device, GiB."
 )
-@click.option("--plan", "plan", default=None, help="Built-in plan name or JSON plan file (default: from config.json).")
+@click.option(
+    "--plan", "plan", default=None,
+    help="Built-in plan name, JSON plan file, or auto (inferred from the model's modules); default: from config.json.",
+)  # fmt: skip
 @click.option("--dtype", default=None, help="Plan for a cast: bf16, fp16 or fp32 (default: keep each dtype).")
 @click.option(
     "--component",
@@ -543,12 +549,16 @@ def unshard_command(checkpoint, output, subfolder, revision, token, overwrite, w
     metavar="NAME:K",
     help="For a pipeline folder, as convert-checkpoint.",
 )
+@click.option(
+    "--show-plan", "show_plan", type=click.Path(dir_okay=False), default=None,
+    help="Also write the plan used (built-in, the class's _tp_plan or inferred) as an editable plan file.",
+)  # fmt: skip
 @_hub_options()
 @_output_options
 @user_errors
 def plan_command(
-    source, devices, device_memory, plan, dtype, component_choices, keep_layers, subfolder, revision, token, as_json,
-    quiet, progress,
+    source, devices, device_memory, plan, dtype, component_choices, keep_layers, show_plan, subfolder, revision, token,
+    as_json, quiet, progress,
 ):  # fmt: skip
     """Which TP x CP meshes fit: per-rank weights, load reads and disk, from safetensors headers only.
 
@@ -562,8 +572,10 @@ def plan_command(
     if subfolder is None and is_pipeline_folder(source):
         from preshard.tools.pipeline_plan import pipeline_plan_json, pipeline_plan_table, plan_pipeline_job
 
-        if devices is None or plan is not None:
-            raise UsageError("on a pipeline folder, pass --devices N (and no --plan; use --subfolder NAME for that)")
+        if devices is None or plan is not None or show_plan is not None:
+            raise UsageError(
+                "on a pipeline folder, pass --devices N (and no --plan or --show-plan; use --subfolder NAME for those)"
+            )
         job = plan_pipeline_job(
             source, devices=devices, device_memory_gib=device_memory, dtype=dtype, components=component_choices,
             keep_layers=keep_layers,
@@ -577,7 +589,14 @@ def plan_command(
             source, devices=devices, device_memory_gib=device_memory, plan=plan, dtype=dtype, subfolder=subfolder,
             revision=revision, token=token,
         )  # fmt: skip
-    _emit({"command": "plan", **plan_json(report)}, plan_table(report), as_json, quiet)
+    data, text = {"command": "plan", **plan_json(report)}, plan_table(report)
+    if show_plan is not None:
+        from preshard.tools.show_plan import resolved_plan, write_plan_file
+
+        chosen = resolved_plan(source, plan=plan, subfolder=subfolder, revision=revision, token=token)
+        data["plan_file"] = str(write_plan_file(chosen, show_plan))
+        text += f"\nwrote the plan {chosen.name} to {show_plan}: edit it and pass --plan {show_plan}"
+    _emit(data, text, as_json, quiet)
 
 
 @main.command(epilog=EXIT_CODES_HELP)

@@ -42,6 +42,8 @@ RULES: dict[str, set[str]] = {
     "tools/estimate.py": {"format", "sources"},
     # a pipeline's plan: each component as the pipeline conversion treats it, sized by the planner
     "tools/pipeline_plan.py": {"format", "sources", "converter", "tools/planner.py"},
+    # --show-plan: the plan a conversion would choose, written as a plan file.
+    "tools/show_plan.py": {"format", "plans", "sources"},
     "tools/reshard.py": {"format", "plans", "sources", "converter"},
     "tools/unshard.py": {"format", "sources", "converter"},
     "examples": {"examples"},

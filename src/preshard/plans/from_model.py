@@ -15,6 +15,7 @@ is divided; every attention module runs context parallel.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -26,7 +27,6 @@ from preshard.format.styles import Colwise, PackedColwise, PackedRowwise, Rowwis
 from preshard.plans.model_check import (
     check_model_structure,
     check_norms_across_heads,
-    first_attention,
     folded,
     is_attention,
 )
@@ -53,20 +53,26 @@ def build_on_meta(cls: type, config: dict[str, Any]) -> nn.Module:
         raise PlanError(f"cannot build {cls.__name__} from the checkpoint's config.json: {exc}") from None
 
 
-def plan_from_model_class(class_name: str, config: dict[str, Any]) -> Plan:
-    """The plan `diffusers.<class_name>` declares, resolved on a meta-device instance built from `config`."""
+def plan_from_model_class(class_name: str, config: dict[str, Any], *, infer: bool = False) -> Plan:
+    """The plan `diffusers.<class_name>` declares (`_tp_plan`), resolved on a meta-device instance built from
+    `config`; where it declares none, or `infer` asks for it, the plan inferred from its modules
+    (`plans/infer.py`)."""
     cls = import_model_class(class_name)
-    if not getattr(cls, "_tp_plan", None):
-        try:
-            blocking = first_attention(build_on_meta(cls, config)) if config else None
-        except PlanError:  # a config the class rejects: the message below holds without the module
-            blocking = None
-        what = f": nothing says how to split its attention across TP ranks (first: {blocking})" if blocking else ""
-        raise PlanError(
-            f"model class {class_name} declares no _tp_plan and preshard has no built-in plan for it{what}; "
-            "write a plan file and pass --plan plan.json (see the README's 'Plan files')"
+    model = build_on_meta(cls, config)
+    if infer or not getattr(cls, "_tp_plan", None):
+        from preshard.plans.infer import infer_plan
+
+        inferred = infer_plan(model, config)
+        cp = getattr(cls, "_cp_plan", None)
+        if not cp:
+            return inferred
+        return replace(
+            inferred,
+            description=f"{inferred.description}, with the class's _cp_plan",
+            cp_plan=cp_plan_from_diffusers(cp),
+            cp_join_order=DIFFUSERS_CP_JOIN_ORDER.get(class_name),
         )
-    return plan_from_model(build_on_meta(cls, config), config)
+    return plan_from_model(model, config)
 
 
 def plan_from_model(model: nn.Module, config: dict[str, Any] | None = None) -> Plan:

@@ -17,6 +17,9 @@ if TYPE_CHECKING:
     from preshard.format.layout import TensorLayout
 
 
+AUTO = "auto"  # --plan auto: infer the plan from the model's modules, whatever other plan exists
+
+
 def builtin_plan_names() -> list[str]:
     folder = resources.files("preshard.plans") / "builtin"
     return sorted(p.name[: -len(".json")] for p in folder.iterdir() if p.name.endswith(".json"))
@@ -78,7 +81,8 @@ def vouched_for(plan: Plan, config: dict[str, Any] | None, layouts: Mapping[str,
 
 def choose_plan(plan: str | Path | Plan | None, config: dict[str, Any] | None) -> Plan:
     """The plan a conversion uses: the one given; else a built-in plan for config.json's `_class_name`; else the
-    plan the diffusers class declares (`_tp_plan`), read from the class built on the meta device.
+    plan the diffusers class declares (`_tp_plan`), read from the class built on the meta device; else the plan
+    inferred from its modules (`plans/infer.py`), which `plan="auto"` asks for whatever else exists.
 
     Raises:
         PlanError: no plan can be found (the message says how to give one), or the model class cannot be
@@ -86,14 +90,15 @@ def choose_plan(plan: str | Path | Plan | None, config: dict[str, Any] | None) -
     """
     if isinstance(plan, Plan):
         return plan
-    if plan is not None:
+    auto = plan == AUTO
+    if plan is not None and not auto:
         return load_plan(plan)
     class_name = (config or {}).get("_class_name")
-    found = builtin_plan_for_class(class_name)
+    found = None if auto else builtin_plan_for_class(class_name)
     if found is not None:
         return found
     if not class_name:
         raise PlanError("no plan: the checkpoint has no config.json naming its model class; pass --plan NAME|FILE")
     from preshard.plans.from_model import plan_from_model_class
 
-    return plan_from_model_class(class_name, config or {})
+    return plan_from_model_class(class_name, config or {}, infer=auto)

@@ -1,0 +1,375 @@
+"""A TP plan inferred from the model's own modules (built on the meta device), for classes no plan covers.
+
+Sharding stays inside units whose input and output are whole on every rank, so that whatever lies between them
+runs replicated, unchanged and correct:
+- attention (diffusers' modules with a processor): the q/k/v projections (separate, or fused `to_qkv`/`to_kv`
+  as packed blocks, grouped KV heads included) and the added text projections colwise, the output projections
+  rowwise, the head-count attributes divided; a q/k norm over one head stays whole, one across all heads of a
+  column-split projection takes `tp_rms_norm`;
+- feed-forwards: diffusers' `FeedForward` (GELU, GEGLU, SwiGLU, ...; a packed `[hidden; gate]` projection as two
+  packed blocks) and MLP modules of two or three Linear layers (up/gate colwise, down rowwise);
+- single-stream blocks whose attention has no output projection and whose `proj_out` takes `cat([attn, mlp])`:
+  `proj_out` packed rowwise with the attention's and the MLP's widths;
+- rotary tables that span every head at once (LTX-Video's): each rank slices its part (`tp_split_outputs`);
+- AdaLN modulation projections, split along their (replicated) input with `replicated_input_rowwise`, only where
+  together they are more than a tenth of the parameters (else the all-reduce costs more than the memory saved).
+
+Mixture-of-experts layers whose experts are feed-forward modules get each expert split by TP like any
+feed-forward (every rank routes the same tokens, so no all-to-all and no load imbalance between ranks); expert
+parallelism would place whole experts on ranks and need a token exchange the runtime does not have. Everything
+else is replicated. What inference cannot place correctly (a Linear, a parameter or a norm inside an attention
+module that it does not recognise) is refused naming the module and why: no guess. CP comes only from the
+class's own `_cp_plan` (inferring where to split the sequence is not done).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any
+
+from torch import nn
+
+from preshard.errors import PlanError
+from preshard.format.plan import AttentionRule, LinearRule, Plan, SeqDim, matches
+from preshard.format.styles import (
+    Colwise,
+    PackedColwise,
+    PackedRowwise,
+    ReplicatedInputRowwise,
+    Rowwise,
+    Style,
+    TPRMSNorm,
+)
+from preshard.plans.model_check import folded, is_attention, norm_size
+
+# Head-count attributes of attention modules that a processor may reshape by: divided by the TP degree.
+HEAD_ATTRIBUTES = (
+    "heads", "kv_heads", "num_heads", "num_kv_heads", "num_attention_heads", "num_key_value_heads",
+    "sliceable_head_dim", "inner_dim", "inner_kv_dim", "kv_inner_dim",
+)  # fmt: skip
+# config.json keys holding head counts: the TP degree must divide each.
+HEAD_CONFIG_KEYS = ("num_attention_heads", "num_key_value_heads", "num_kv_heads", "num_heads", "num_single_heads")
+ADALN_SHARE = 0.10  # modulation projections are split only above this share of the parameters
+
+_OUTPUT = re.compile(r"^(to_out(\.0)?|to_add_out|to_out_t|o_proj|out_proj|.*attn_proj|.*_out)$")
+_QKV = re.compile(r"qkv")
+_KV = re.compile(r"(^|_)kv(_|$)")
+_SINGLE = re.compile(r"^(to_[qkv](_t)?|add_[qkv]_proj|[qkv]_proj|to_gate|gate_proj|to_gate_logits)$")
+_MLP_CLASS = re.compile(r"feedforward|mlp|ffn|swiglu|glu", re.IGNORECASE)
+_MLP_NAME = re.compile(r"^(ff|ffn|mlp|feed_forward|ff_context|ffn_context|mlp_context|txt_mlp|img_mlp)$")
+_ADALN = re.compile(r"(^|\.)(norm[^.]*\.linear|[^.]*adaln[^.]*|[^.]*modulation[^.]*)(\.|$)", re.IGNORECASE)
+
+
+def infer_plan(model: nn.Module, config: dict[str, Any] | None = None) -> Plan:
+    """The TP plan `model`'s modules call for (see the module docstring); no CP plan (`plan_from_model_class`
+    adds the class's `_cp_plan`).
+
+    Args:
+        model: the model, on the meta device (no memory needed).
+        config: its config.json, for the head counts the TP degree must divide.
+
+    Returns:
+        A plan named after the class, origin "inferred plan for CLASS".
+
+    Raises:
+        PlanError: a module inference cannot place correctly, named with the reason; or nothing to shard.
+    """
+    cls = type(model)
+    origin = f"inferred plan for {cls.__name__}"
+    modules = dict(model.named_modules())
+    styles: dict[str, Style] = {}
+    divides: dict[str, tuple[str, ...]] = {}
+    attention = [name for name, m in modules.items() if name and is_attention(m)]
+    outputless: dict[str, int] = {}  # attention modules with no output projection -> their output width
+    for name in attention:
+        width = _attention(origin, name, modules[name], styles, divides)
+        if width is not None:
+            outputless[name] = width
+    for name, width in outputless.items():
+        _single_stream(origin, name, width, modules, styles)
+    inside = tuple(f"{name}." for name in attention)
+    for name, module in modules.items():
+        if name and not name.startswith(inside) and name not in styles:
+            _feed_forward(name, module, styles)
+    _adaln(model, modules, styles)
+    split_outputs = _rotary_across_heads(modules, styles, attention, inside)
+    if not any(style.name != "replicate" for style in styles.values()):
+        raise PlanError(
+            f"{origin}: found no attention or feed-forward module to shard in {cls.__name__}; "
+            "write a plan file and pass --plan plan.json"
+        )
+    config = config or {}
+    return Plan(
+        name=f"inferred-{cls.__name__}",
+        linear=tuple(_fold_rules(styles, modules)),
+        attention=tuple(_fold_attention(divides, modules)),
+        config_divisible=tuple(k for k in HEAD_CONFIG_KEYS if _is_int(config.get(k))),
+        model_classes=(cls.__name__,),
+        description=f"inferred by preshard from the modules of {cls.__name__}",
+        origin=origin,
+        tp_split_outputs=split_outputs,
+    )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int_attr(module: nn.Module, attr: str) -> int | None:
+    value = getattr(module, attr, None)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _has_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _head_dim(module: nn.Module) -> int | None:
+    for attr in ("head_dim", "dim_head", "attention_head_dim"):
+        value = _int_attr(module, attr)
+        if value is not None:
+            return value
+    inner, heads = _int_attr(module, "inner_dim"), _int_attr(module, "heads")
+    if inner is not None and heads is not None and heads > 0 and inner % heads == 0:
+        return inner // heads
+    return None
+
+
+def _packed_blocks(leaf: str, out: int, module: nn.Module, head_dim: int | None) -> tuple[int, ...] | None:
+    """The [q, k, v] (or [k, v]) widths of a fused projection, from the module's head counts; None if unknown."""
+    heads = _int_attr(module, "heads")
+    kv = _int_attr(module, "kv_heads") or _int_attr(module, "num_kv_heads")
+    parts = 3 if _QKV.search(leaf) else 2
+    if heads is not None and kv is not None and head_dim and kv != heads:
+        q, k = heads * head_dim, kv * head_dim
+        sizes = (q, k, k) if parts == 3 else (k, k)
+        return sizes if sum(sizes) == out else None
+    return (out // parts,) * parts if out % parts == 0 else None
+
+
+def _attention(
+    origin: str, name: str, module: nn.Module, styles: dict[str, Style], divides: dict[str, tuple[str, ...]]
+) -> int | None:
+    """Place `module`'s projections and norms; returns its output width if it has no output projection."""
+    head_dim = _head_dim(module)
+    split_widths: set[int] = set()
+    outputs = 0
+    width = None
+    for child, sub in module.named_modules():
+        if not child:
+            continue
+        full = f"{name}.{child}"
+        if isinstance(sub, nn.Linear):
+            out = sub.weight.shape[0]
+            if _OUTPUT.match(child):
+                styles[full] = Rowwise()
+                outputs += 1
+            elif _QKV.search(child) or (_KV.search(child) and not _SINGLE.match(child)):
+                blocks = _packed_blocks(child, out, module, head_dim)
+                if blocks is None:
+                    raise PlanError(
+                        f"{origin}: {full} is a fused projection of {out} features that the head counts of {name} "
+                        "do not divide into q/k/v blocks; write a plan file (--plan FILE)"
+                    )
+                styles[full] = PackedColwise(blocks=blocks)
+                split_widths.update(blocks)
+            elif _SINGLE.match(child):
+                styles[full] = Colwise()
+                split_widths.add(out)
+                if child in ("to_v", "to_q") and width is None:
+                    width = out
+            else:
+                raise PlanError(
+                    f"{origin}: {full} is a Linear inside attention {name} that preshard cannot place (neither a "
+                    "q/k/v nor an output projection); write a plan file for this model (--plan FILE)"
+                )
+    for child, sub in module.named_modules():  # after the projections: a norm may be registered before them
+        if child and not isinstance(sub, nn.Linear):
+            if list(sub.parameters(recurse=False)) or "norm" in child.rpartition(".")[2].lower():
+                _attention_norm(origin, name, f"{name}.{child}", child, sub, head_dim, split_widths, styles)
+    for param, _ in module.named_parameters(recurse=False):
+        raise PlanError(
+            f"{origin}: {name}.{param} is a parameter of attention {name} itself (per-head values preshard cannot "
+            "split); write a plan file for this model (--plan FILE)"
+        )
+    attrs = tuple(a for a in HEAD_ATTRIBUTES if _is_int(getattr(module, a, None)))
+    query = getattr(module, "to_q", None)
+    if isinstance(query, nn.Linear) and _int_attr(module, "out_dim") == query.out_features:
+        attrs += ("out_dim",)  # as wide as the heads (OmniGen reshapes the heads' output by it), so divided too
+    if not {"heads", "num_heads", "num_attention_heads"} & set(attrs):
+        raise PlanError(f"{origin}: attention {name} has no integer head count (heads) to divide by the TP degree")
+    divides[name] = attrs
+    return width if outputs == 0 else None
+
+
+def _attention_norm(
+    origin: str,
+    name: str,
+    full: str,
+    child: str,
+    sub: nn.Module,
+    head_dim: int | None,
+    split_widths: set[int],
+    styles: dict[str, Style],
+) -> None:
+    """A norm in attention: over one head stays whole; across every head of a split projection is `tp_rms_norm`."""
+    size = norm_size(sub)
+    leaf = child.rpartition(".")[2]
+    if leaf.startswith("pre_") or (size is not None and size == head_dim):
+        return  # on the whole input, or per head
+    if size is None and not list(sub.parameters(recurse=False)):
+        return  # Identity and friends
+    if size in split_widths:
+        why = TPRMSNorm.unsupported(sub)
+        if why is not None:
+            raise PlanError(
+                f"{origin}: {full} normalises across all {size} features of a column-split projection of {name}, "
+                f"and it {why}; this model cannot be sharded across heads yet"
+            )
+        styles[full] = TPRMSNorm()
+        return
+    raise PlanError(
+        f"{origin}: {full} ({type(sub).__name__}, {size} features) in attention {name} is neither per head nor "
+        "across the heads of its projections; write a plan file for this model (--plan FILE)"
+    )
+
+
+def _single_stream(origin: str, name: str, width: int, modules: dict[str, nn.Module], styles: dict[str, Style]):
+    """An attention with no output projection: its block's `proj_out` must take cat([attention, mlp])."""
+    block = name.rpartition(".")[0]
+    where = f"{block}." if block else ""
+    out = modules.get(f"{where}proj_out")
+    mlp = modules.get(f"{where}proj_mlp")
+    if isinstance(out, nn.Linear) and isinstance(mlp, nn.Linear):
+        hidden = mlp.weight.shape[0]
+        if out.weight.shape[1] == width + hidden:
+            styles[f"{where}proj_mlp"] = Colwise()
+            styles[f"{where}proj_out"] = PackedRowwise(blocks=(width, hidden))
+            return
+        if out.weight.shape[1] == width + hidden // 2:  # a gated MLP, split by a width the block holds
+            raise PlanError(
+                f"{origin}: {where}proj_mlp feeds a gated MLP that its block splits by its full width, which a "
+                "column split would not match; write a plan file for this model (--plan FILE)"
+            )
+    raise PlanError(
+        f"{origin}: attention {name} has no output projection and its block has no proj_out over "
+        "cat([attention, proj_mlp]) to reduce it; write a plan file for this model (--plan FILE)"
+    )
+
+
+def _feed_forward(name: str, module: nn.Module, styles: dict[str, Style]) -> None:
+    """diffusers' FeedForward (`net`: activation with `proj`, ..., Linear) or an MLP of 2-3 Linear children."""
+    net = getattr(module, "net", None)
+    first = net[0] if isinstance(net, nn.ModuleList) and len(net) >= 2 else None
+    up = getattr(first, "proj", None)
+    if isinstance(net, nn.ModuleList) and isinstance(first, nn.Module) and isinstance(up, nn.Linear):
+        steps = [(i, m) for i, m in enumerate(net) if isinstance(m, nn.Linear)]
+        rest = [m for m in list(net)[1:] if not isinstance(m, nn.Linear) and _has_params(m)]
+        rest += [m for n, m in first.named_children() if n != "proj" and _has_params(m)]
+        if len(steps) != 1 or rest or any(True for _ in first.parameters(recurse=False)):
+            return
+        index, down = steps[0]
+        style = _up_style(up, down)
+        if style is not None:
+            styles[f"{name}.net.0.proj"] = style
+            styles[f"{name}.net.{index}"] = Rowwise()
+        return
+    if not (_MLP_CLASS.search(type(module).__name__) or _MLP_NAME.match(name.rpartition(".")[2])):
+        return
+    children = list(module.named_children())
+    linears = {n: m for n, m in children if isinstance(m, nn.Linear)}
+    heavy = [n for n, m in children if n not in linears and _has_params(m)]
+    if len(linears) not in (2, 3) or heavy or any(True for _ in module.parameters(recurse=False)):
+        return
+    placed: dict[str, Style] | None = None
+    for down_name, down in linears.items():
+        ups = {n: _up_style(m, down) for n, m in linears.items() if n != down_name}
+        inputs = {m.weight.shape[1] for n, m in linears.items() if n != down_name}
+        if all(s is not None for s in ups.values()) and len(inputs) == 1:
+            if placed is not None:
+                return  # two readings: leave it whole
+            placed = {n: s for n, s in ups.items() if s is not None} | {down_name: Rowwise()}
+    for child, style in (placed or {}).items():
+        styles[f"{name}.{child}"] = style
+
+
+def _up_style(up: nn.Linear, down: nn.Linear) -> Style | None:
+    out, hidden = up.weight.shape[0], down.weight.shape[1]
+    if out == hidden:
+        return Colwise()
+    if out == 2 * hidden:
+        return PackedColwise(blocks=(hidden, hidden))
+    return None
+
+
+def _adaln(model: nn.Module, modules: dict[str, nn.Module], styles: dict[str, Style]) -> None:
+    """Modulation projections left whole, split along their input where together they are a large share."""
+    total = sum(p.numel() for p in model.parameters())
+    found = [
+        name
+        for name, m in modules.items()
+        if isinstance(m, nn.Linear) and name not in styles and _ADALN.search(name) and not name.startswith("norm_out")
+    ]
+    share = sum(p.numel() for n in found for p in modules[n].parameters())
+    if total and share > ADALN_SHARE * total:
+        for name in found:
+            styles[name] = ReplicatedInputRowwise()
+
+
+def _rotary_across_heads(
+    modules: dict[str, nn.Module], styles: dict[str, Style], attention: list[str], inside: tuple[str, ...]
+) -> dict[str, dict[int, SeqDim]]:
+    """Rotary modules outside attention whose (cos, sin) tables span every head at once (`dim` as wide as a
+    column-split query, LTX-Video's): each rank slices its part of the last dim, as the queries it rotates."""
+    head_dims = {_head_dim(modules[name]) for name in attention}
+    widths = set()
+    for name, style in styles.items():
+        linear = modules[name]
+        if name.startswith(inside) and style.name == "colwise" and isinstance(linear, nn.Linear):
+            widths.add(linear.out_features)
+    found: dict[str, dict[int, SeqDim]] = {}
+    for name, module in modules.items():
+        if not name or name.startswith(inside) or not re.search(r"rotary|rope", type(module).__name__, re.I):
+            continue
+        dim = _int_attr(module, "dim")
+        if dim in widths and dim not in head_dims:
+            found[name] = {0: SeqDim(-1), 1: SeqDim(-1)}
+    return found
+
+
+def _fold(name: str) -> str:
+    """Numbered blocks as `*`, but a last component kept (`to_out.0` must not also name the Dropout `to_out.1`)."""
+    head, dot, last = name.rpartition(".")
+    return f"{folded(head)}{dot}{last}" if dot else name
+
+
+def _fold_rules(styles: dict[str, Style], modules: dict[str, nn.Module]) -> Iterable[LinearRule]:
+    """One rule per pattern with numbered blocks as `*` where every module it matches has the same style."""
+    groups: dict[str, list[str]] = {}
+    for name in styles:
+        groups.setdefault(_fold(name), []).append(name)
+    rules: list[LinearRule] = []
+    for pattern, names in groups.items():
+        kinds = {styles[n] for n in names}
+        matched = [m for m in modules if m and matches(pattern, m)]
+        if len(kinds) == 1 and len(matched) == len(names):
+            rules.append(LinearRule(pattern, styles[names[0]]))
+        else:
+            rules += [LinearRule(n, styles[n]) for n in names]
+    return rules
+
+
+def _fold_attention(divides: dict[str, tuple[str, ...]], modules: dict[str, nn.Module]) -> list[AttentionRule]:
+    groups: dict[str, list[str]] = {}
+    for name in divides:
+        groups.setdefault(_fold(name), []).append(name)
+    rules = []
+    for pattern, names in groups.items():
+        kinds = {divides[n] for n in names}
+        matched = [m for m in modules if m and matches(pattern, m)]
+        if len(kinds) == 1 and len(matched) == len(names):
+            rules.append(AttentionRule(pattern, divides[names[0]], True))
+        else:
+            rules += [AttentionRule(n, divides[n], True) for n in names]
+    return rules

@@ -1,0 +1,64 @@
+"""Tiny random instances of every diffusers transformer class, from the configs and inputs diffusers' own model
+tests use (tiny_zoo.json, written by scripts/make_tiny_zoo.py from a diffusers checkout).
+
+`build(key, seed)` gives the model (seeded weights, float32, eval mode) and its forward inputs; a float tensor the
+JSON keeps by shape only is drawn from a generator seeded by `seed`, the same on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ZOO = Path(__file__).with_name("tiny_zoo.json")
+
+
+@cache
+def zoo() -> dict[str, Any]:
+    return json.loads(ZOO.read_text())
+
+
+def _decode(value: Any, gen: torch.Generator) -> Any:
+    if isinstance(value, dict) and "tensor" in value:
+        dtype = getattr(torch, value["dtype"])
+        if "values" in value:
+            return torch.tensor(value["values"], dtype=dtype).reshape(value["tensor"])
+        return torch.randn(value["tensor"], generator=gen).to(dtype)
+    if isinstance(value, dict) and "int_keys" in value:
+        return {int(k): _decode(v, gen) for k, v in value["int_keys"].items()}
+    if isinstance(value, dict) and "dict" in value:
+        return {k: _decode(v, gen) for k, v in value["dict"].items()}
+    if isinstance(value, dict) and "tuple" in value:
+        return tuple(_decode(v, gen) for v in value["tuple"])
+    if isinstance(value, list):
+        return [_decode(v, gen) for v in value]
+    return value
+
+
+def model_class(key: str) -> type:
+    import diffusers
+
+    return getattr(diffusers, zoo()[key]["class"])
+
+
+def config(key: str) -> dict[str, Any]:
+    """The class's config.json as `save_pretrained` writes it (with `_class_name`)."""
+    return {"_class_name": zoo()[key]["class"], **zoo()[key]["init"]}
+
+
+def build(key: str, seed: int = 0) -> tuple[torch.nn.Module, dict[str, Any]]:
+    return build_entry(zoo()[key], seed)
+
+
+def build_entry(entry: dict[str, Any], seed: int = 0) -> tuple[torch.nn.Module, dict[str, Any]]:
+    import diffusers
+
+    torch.manual_seed(seed)
+    model = getattr(diffusers, entry["class"])(**entry["init"]).eval().float()
+    gen = torch.Generator().manual_seed(seed + 1)
+    inputs = {k: _decode(v, gen) for k, v in entry["inputs"]["dict"].items()}
+    return model, inputs

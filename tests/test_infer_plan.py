@@ -1,0 +1,95 @@
+"""Plan inference on the meta device (plans/infer.py): what it places, what it refuses, in which order plans are
+chosen (explicit > built-in > `_tp_plan` > inferred; `auto` forces inference), and `preshard plan --show-plan`
+writing the chosen plan as a plan file that `--plan FILE` reads back as the same plan."""
+
+from __future__ import annotations
+
+import json
+
+import assembled_model
+import pytest
+import torch
+from clitools import cli_runner
+from torch import nn
+
+from preshard.cli import main
+from preshard.errors import PlanError
+from preshard.plans.infer import infer_plan
+from preshard.plans.registry import choose_plan, load_plan
+
+
+def _meta_assembled(**kwargs) -> nn.Module:
+    with torch.device("meta"):
+        return assembled_model.AssembledTransformer2DModel(**kwargs)
+
+
+def _styles(plan) -> dict[str, str]:
+    return {rule.match: rule.style.name for rule in plan.linear}
+
+
+@pytest.mark.quick
+def test_blocks_are_placed_by_what_they_are():
+    plan = infer_plan(_meta_assembled())
+    styles = _styles(plan)
+    assert styles["blocks.*.attn.to_q"] == styles["blocks.*.attn.add_k_proj"] == "colwise"
+    assert styles["blocks.*.attn.to_out.0"] == styles["blocks.*.attn.to_add_out"] == "rowwise"
+    assert styles["blocks.*.ff.net.*.proj"] == "packed_colwise"  # SwiGLU's [hidden; gate]
+    assert styles["single.proj_out"] == "packed_rowwise"  # over cat([attention, mlp])
+    blocks = {r.match: r.style.blocks for r in plan.linear}
+    assert blocks["single.proj_out"] == (32, 128)
+    assert styles["blocks.*.norm1.linear"] == "replicated_input_rowwise"  # AdaLN-Zero: over a tenth of the weights
+    assert "proj_out" not in styles and "single.attn.norm_q" not in styles  # whole: outside units, per head
+    assert {r.match: r.divide for r in plan.attention}["single.attn"][0] == "heads"
+
+
+@pytest.mark.quick
+def test_modulation_below_a_tenth_of_the_weights_stays_whole():
+    plan = infer_plan(_meta_assembled(dim=32, head_dim=64))  # wide attention: AdaLN is a small share
+    assert "blocks.*.norm1.linear" not in _styles(plan)
+
+
+@pytest.mark.quick
+def test_a_linear_inside_attention_that_it_cannot_place_is_refused_naming_it():
+    model = _meta_assembled()
+    with torch.device("meta"):
+        model.blocks[1].attn.to_mystery = nn.Linear(32, 32)
+    with pytest.raises(PlanError, match=r"blocks\.1\.attn\.to_mystery is a Linear inside attention blocks\.1\.attn"):
+        infer_plan(model)
+
+
+@pytest.mark.quick
+def test_a_norm_across_heads_it_cannot_split_is_refused_naming_it():
+    model = _meta_assembled()
+    with torch.device("meta"):
+        model.blocks[0].attn.norm_q = nn.LayerNorm(32)  # across every head of to_q, not an RMSNorm
+    with pytest.raises(PlanError, match=r"blocks\.0\.attn\.norm_q normalises across all 32 features .* LayerNorm"):
+        infer_plan(model)
+
+
+def test_plan_order_builtin_then_tp_plan_then_inferred_and_auto_forces_inference():
+    wan = {"_class_name": "WanTransformer3DModel", "num_attention_heads": 2, "attention_head_dim": 8,
+           "in_channels": 4, "out_channels": 4, "text_dim": 16, "freq_dim": 16, "ffn_dim": 32, "num_layers": 1,
+           "rope_max_seq_len": 32}  # fmt: skip
+    assert choose_plan(None, wan).name == "wan"
+    assert choose_plan("auto", wan).name == "inferred-WanTransformer3DModel"
+    assert _styles(choose_plan("auto", wan))["blocks.*.attn1.norm_q"] == "tp_rms_norm"  # as the built-in plan says
+    assert choose_plan(None, {"_class_name": "FluxTransformer2DModel"}).name == "FluxTransformer2DModel._tp_plan"
+    assert choose_plan(None, {"_class_name": "AllegroTransformer3DModel"}).name.startswith("inferred-")
+
+
+def test_show_plan_writes_the_chosen_plan_as_a_plan_file_that_reads_back_the_same(tmp_path):
+    from diffusers import CogVideoXTransformer3DModel
+    from tiny_diffusers import save
+
+    model = CogVideoXTransformer3DModel(
+        num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4, num_layers=1, text_embed_dim=16,
+        time_embed_dim=8, sample_width=4, sample_height=4, sample_frames=5, patch_size=2,
+    )  # fmt: skip
+    source = save(model, tmp_path / "cogvideox")
+    out = tmp_path / "plan.json"
+    result = cli_runner().invoke(main, ["plan", str(source), "--show-plan", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["plan_file"] == str(out)
+    written = load_plan(out)
+    assert written.to_dict() == choose_plan(None, json.loads((source / "config.json").read_text())).to_dict()
+    assert written.name == "inferred-CogVideoXTransformer3DModel"
