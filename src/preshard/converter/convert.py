@@ -42,7 +42,7 @@ from preshard.errors import MismatchError, PreshardError, ResourceError, UsageEr
 from preshard.format import slicing
 from preshard.format.dcp_metadata import dcp_metadata_bytes, write_dcp_metadata
 from preshard.format.dtypes import DType, dtype_name, parse_cast
-from preshard.format.jsonio import dumps_indented, fsync_file, write_text_atomic
+from preshard.format.jsonio import dumps_indented, fsync_file
 from preshard.format.layout import ChunkRecord, FileLayout, TensorLayout, data_file_name, place_records
 from preshard.format.manifest import (
     CONFIG_NAME,
@@ -56,6 +56,7 @@ from preshard.format.manifest import (
 )
 from preshard.format.mesh import MeshSpec
 from preshard.format.plan import Plan, resolve_plan
+from preshard.format.publish import publish_text
 from preshard.format.torch_record import RECORD_FRAMING_VERSION
 from preshard.plans.registry import choose_plan, vouched_for
 from preshard.progress import Progress
@@ -603,7 +604,7 @@ class _Conversion:
                 write_dcp_metadata(work, manifest, metadata)
                 for name in ("journal.jsonl", "job.json"):
                     (work / name).unlink(missing_ok=True)
-                write_text_atomic(work / MANIFEST_NAME, text)
+                publish_text(work / MANIFEST_NAME, text)
                 self.check_stop()
                 commit(work, self.output)
             except BaseException as exc:

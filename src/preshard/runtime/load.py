@@ -18,6 +18,7 @@ from preshard.format.mesh import MeshSpec
 from preshard.process import one_line_errors_under_torchrun
 from preshard.runtime import collectives
 from preshard.runtime.agreement import agree_on_checkpoint, agree_on_outcome
+from preshard.runtime.changes import ModelChanges
 from preshard.runtime.consistency import parse_mode
 from preshard.runtime.construct import (
     build_model,
@@ -217,14 +218,15 @@ def _load_held(
         for name, module in sharded.items()
         if manifest.tensors[f"{name}.weight"].layout.style.module_kind == "linear"
     }
+    changes = ModelChanges.of(net)  # the record of every change below, each with its undo
     for module_name, module in linears.items():
         style = manifest.tensors[f"{module_name}.weight"].layout.style
-        description = parallelize_linear(module, style, groups.tp, tp_rank, manifest.tp)
+        description = parallelize_linear(module, style, groups.tp, tp_rank, manifest.tp, changes, module_name)
         if description is not None:
             report.add_hook(module_name, description)
     tp_hooks = {
-        **parallelize_norms(net, manifest.plan, groups.tp, tp_rank, manifest.tp),
-        **split_outputs(net, manifest.plan, tp_rank, manifest.tp),
+        **parallelize_norms(net, manifest.plan, groups.tp, tp_rank, manifest.tp, changes),
+        **split_outputs(net, manifest.plan, tp_rank, manifest.tp, changes),
     }
     for module_name, description in tp_hooks.items():
         report.add_hook(module_name, description)
@@ -236,7 +238,8 @@ def _load_held(
     attach_model_surface(net, manifest, run_mesh, groups, rank_device, input_mode, report)
     net.requires_grad_(False)
     report.total_seconds = time.perf_counter() - start
-    setattr(net, REPORT_ATTRIBUTE, report)
+    report.changes = changes
+    changes.set_attribute(net, "", REPORT_ATTRIBUTE, report)
     return net
 
 

@@ -38,7 +38,7 @@ from preshard.converter.workdir import SAFETENSORS_FOLDER, check_space, commit, 
 from preshard.converter.writer import RecordFileWriter, stage_bytes
 from preshard.errors import CorruptCheckpointError, UsageError
 from preshard.format.dtypes import cast_is_lossless, dtype_name
-from preshard.format.jsonio import fsync_dir
+from preshard.format.publish import fsync_dir
 from preshard.progress import Progress
 from preshard.sources.presharded import PreshardedRows, PreshardedSource, open_presharded
 from preshard.sources.safetensors_file import SafetensorsHeader
