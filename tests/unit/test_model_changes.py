@@ -83,7 +83,7 @@ def test_undo_of_a_model_preshard_did_not_load_is_one_line():
 def test_a_method_the_class_lacks_is_added_and_removed_again():
     model = nn.Linear(2, 2)  # no save_pretrained
     changes = ModelChanges.of(model)
-    changes.wrap_method("save_pretrained", METHOD_LAYERS["save_pretrained"][0], lambda own: (lambda path: own))
+    changes.wrap_method("save_pretrained", METHOD_LAYERS["save_pretrained"][0], lambda own: lambda path: own)
     assert model.save_pretrained("x") is None
     changes.undo()
     assert not hasattr(model, "save_pretrained")

@@ -65,8 +65,6 @@ from preshard.sources import ConversionSource, SourceRows, open_source
 # Journal (so fsync) about 64 times per conversion, but no more often than every 512 MiB: each fsync also flushes the
 # device's write cache (64 of them took a third of a 4.3 GB conversion on a virtual disk); a crash loses at most that.
 SYNC_MIN_BYTES, SYNC_ROUNDS = 512 << 20, 64
-# Tests replace this to act between tensors (e.g. to crash there); never used otherwise.
-_after_tensor_hook = None
 
 
 def resolve_mesh(
@@ -241,6 +239,7 @@ def convert_checkpoint(
     workers: int = 1,
     loras: Iterable[Any] | None = None,
     outcome: ConversionOutcome | None = None,
+    on_tensor: Callable[[str], None] | None = None,
 ) -> Manifest:
     """Convert a safetensors checkpoint into per-TP-rank DCP shards and a manifest, in `output`.
 
@@ -265,6 +264,9 @@ def convert_checkpoint(
         outcome: filled in with what happened: converted, resumed (with what was kept), or already converted (an
             identical finished conversion is in `output`: nothing is written and its manifest is returned, without
             `overwrite`; see `finished_conversion`).
+        on_tensor: called with each tensor's name, in write order, once its records are written by this process
+            (in each worker process with `workers`); what it raises stops the conversion there, as a crash would
+            (the journalled part is kept for a resume). For progress displays and for tests that stop between tensors.
 
     Returns:
         The manifest written to (or found in) `output/manifest.json`.
@@ -311,11 +313,11 @@ def convert_checkpoint(
     if workers > 1:
         return run_workers(
             write_conversion, job, Path(output), workers=workers, overwrite=overwrite, wait=wait, progress=progress,
-            outcome=outcome,
+            outcome=outcome, on_tensor=on_tensor,
         )  # fmt: skip
     return write_conversion(
         job, Path(output), overwrite=overwrite, wait=wait, progress=progress, coordinator=coordinator,
-        check_model=True, outcome=outcome,
+        check_model=True, outcome=outcome, on_tensor=on_tensor,
     )  # fmt: skip
 
 
@@ -335,6 +337,7 @@ def write_conversion(
     external_stop: Any = None,
     check_model: bool = False,
     outcome: ConversionOutcome | None = None,
+    on_tensor: Callable[[str], None] | None = None,
 ) -> Manifest:
     """Write a planned conversion into `output`, under the output's lock, atomically and resumably.
 
@@ -343,7 +346,7 @@ def write_conversion(
     signal would (a launcher relays signals this way). `check_model`: check the plan against the model class
     (`check_plan_against_model`) on a thread while converting, and commit only if it passes (not needed for a
     built-in plan made for the checkpoint's class: `vouched_for`). `outcome` (the lowest rank's) is told what a
-    resume kept.
+    resume kept. `on_tensor(name)` is called as each tensor of this process is written (`convert_checkpoint`).
     """
     coord = coordinator or Coordinator()
     with ExitStack() as stack:
@@ -372,6 +375,7 @@ def write_conversion(
         background = _Background(check, job)
         conversion = _Conversion(job, output, coord, _stop_check(stop, external_stop, background), overwrite)
         conversion.outcome = outcome
+        conversion.on_tensor = on_tensor or _nothing
         return conversion.run(progress)
 
 
@@ -464,6 +468,7 @@ class _Conversion:
         self.journal: Journal | None = None
         self.identity = self.config_bytes = None
         self.outcome: ConversionOutcome | None = None
+        self.on_tensor: Callable[[str], None] = _nothing
 
     def _note(self, text: str) -> None:
         """One line on stderr where progress is shown (`progress=None`: when stderr is a terminal)."""
@@ -565,7 +570,7 @@ class _Conversion:
                 points=points,
                 exchange=exchange,
                 journal=claim,
-                on_tensor=_tensor_written,
+                on_tensor=self.on_tensor,
                 on_bytes=bar.update,
                 check_stop=self.check_stop,
                 band_bytes=job.band_bytes,
@@ -726,9 +731,8 @@ def _sync_points(job: ConversionPlan, done: dict) -> list[int]:
     return points
 
 
-def _tensor_written(name: str) -> None:
-    if _after_tensor_hook is not None:
-        _after_tensor_hook(name)
+def _nothing(name: str) -> None:
+    """The default `on_tensor`."""
 
 
 def _manifest(

@@ -25,6 +25,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from preshard.converter.convert import plan_conversion, resolve_mesh, write_conversion
@@ -60,6 +61,7 @@ def reshard_checkpoint(
     wait: bool = False,
     progress: bool | None = None,
     workers: int = 1,
+    on_tensor: Callable[[str], None] | None = None,
 ) -> Manifest:
     """Write `input` (a converted checkpoint) resharded for another mesh into `output`; the source is not needed.
 
@@ -74,6 +76,7 @@ def reshard_checkpoint(
         progress: show progress (default: when stderr is a terminal).
         workers: local processes writing the new data files (at most the new TP degree), as for
             `convert_checkpoint`; the output is the same byte for byte. A CP-only change writes no data: ignored.
+        on_tensor: as `convert_checkpoint`'s (not called for a CP-only change, which writes no data).
 
     Returns:
         The manifest written to `output/manifest.json` (with `derived_from` naming `input`).
@@ -102,9 +105,10 @@ def reshard_checkpoint(
     job = plan_conversion(source, mesh=new_mesh, plan=source.manifest.plan, dtype=source.manifest.dtype)
     if workers > 1:
         return run_workers(
-            write_conversion, job, output, workers=workers, overwrite=overwrite, wait=wait, progress=progress
-        )
-    return write_conversion(job, output, overwrite=overwrite, wait=wait, progress=progress)
+            write_conversion, job, output, workers=workers, overwrite=overwrite, wait=wait, progress=progress,
+            on_tensor=on_tensor,
+        )  # fmt: skip
+    return write_conversion(job, output, overwrite=overwrite, wait=wait, progress=progress, on_tensor=on_tensor)
 
 
 def _relink(source: PreshardedSource, output: Path, mesh: MeshSpec, *, overwrite: bool, wait: bool) -> Manifest:
