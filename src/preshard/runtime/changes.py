@@ -54,7 +54,7 @@ class ModelChanges:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.changes: list[Change] = []
-        self._methods: dict[str, dict[str, Callable[[Callable], Callable]]] = {}
+        self._methods: dict[str, dict[str, Callable[[Any], Callable]]] = {}
         self._originals: dict[str, Any] = {}
 
     @classmethod
