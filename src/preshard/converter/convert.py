@@ -54,7 +54,7 @@ from preshard.format.manifest import (
     created_now,
     read_manifest,
 )
-from preshard.format.mesh import MeshSpec
+from preshard.format.mesh import MeshSpec, resolve_mesh
 from preshard.format.plan import Plan, resolve_plan
 from preshard.format.publish import publish_text
 from preshard.format.torch_record import RECORD_FRAMING_VERSION
@@ -65,28 +65,6 @@ from preshard.sources import ConversionSource, SourceRows, open_source
 # Journal (so fsync) about 64 times per conversion, but no more often than every 512 MiB: each fsync also flushes the
 # device's write cache (64 of them took a third of a 4.3 GB conversion on a virtual disk); a crash loses at most that.
 SYNC_MIN_BYTES, SYNC_ROUNDS = 512 << 20, 64
-
-
-def resolve_mesh(
-    mesh: MeshSpec | None,
-    tp: int | None,
-    cp: int | None,
-    ring: int | None,
-    ulysses: int | None,
-    order: str | tuple[str, ...] | None,
-    default: MeshSpec | None = None,
-) -> MeshSpec:
-    """A `MeshSpec` or the keywords, not both; with neither, `default` (or tp is required)."""
-    keywords = (tp, cp, ring, ulysses, order)
-    if mesh is not None:
-        if any(k is not None for k in keywords):
-            raise UsageError("pass either mesh=MeshSpec(...) or tp/cp/ring/ulysses/order, not both")
-        if not isinstance(mesh, MeshSpec):
-            raise UsageError(f"mesh must be a preshard.MeshSpec, not {type(mesh).__name__}")
-        return mesh
-    if tp is None and default is None:
-        raise UsageError("the TP degree is required: pass --tp N (or tp=N / mesh=MeshSpec(tp=N, ...))")
-    return MeshSpec.build(tp, cp, ring, ulysses, order, default=default)
 
 
 @dataclass(frozen=True)

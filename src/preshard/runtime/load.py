@@ -14,7 +14,7 @@ from preshard.errors import MismatchError, PreshardError, UsageError
 from preshard.format.dtypes import DType, parse_cast
 from preshard.format.locate import local_path
 from preshard.format.manifest import MANIFEST_NAME, Manifest
-from preshard.format.mesh import MeshSpec
+from preshard.format.mesh import MeshSpec, resolve_mesh
 from preshard.process import one_line_errors_under_torchrun
 from preshard.runtime import collectives
 from preshard.runtime.agreement import agree_on_checkpoint, agree_on_outcome
@@ -245,17 +245,12 @@ def _load_held(
 
 def _run_mesh(manifest: Manifest, rank_device: RankDevice, mesh, cp, ring, ulysses, order) -> MeshSpec:
     saved = manifest.mesh
-    if mesh is not None:
-        if any(v is not None for v in (cp, ring, ulysses, order)):
-            raise UsageError("pass either mesh=MeshSpec(...) or cp/ring/ulysses/order, not both")
-        if mesh.tp != saved.tp:
-            raise MismatchError(
-                f"mesh tp={mesh.tp} differs from the checkpoint's tp={saved.tp}; reshard the checkpoint "
-                f"(preshard reshard IN OUT --tp {mesh.tp}) or pass a mesh with tp={saved.tp}"
-            )
-        run = mesh
-    else:
-        run = MeshSpec.build(saved.tp, cp, ring, ulysses, order, default=saved)
+    run = resolve_mesh(mesh, None, cp, ring, ulysses, order, default=saved)  # the TP degree is the checkpoint's
+    if run.tp != saved.tp:
+        raise MismatchError(
+            f"mesh tp={run.tp} differs from the checkpoint's tp={saved.tp}; reshard the checkpoint "
+            f"(preshard reshard IN OUT --tp {run.tp}) or pass a mesh with tp={saved.tp}"
+        )
     if run.world_size != rank_device.world_size:
         raise MismatchError(world_size_message(run, rank_device.world_size))
     return run
