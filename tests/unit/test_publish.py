@@ -151,3 +151,13 @@ def test_publish_text_replaces_a_file_whole(tmp_path):
     publish.publish_text(path, "new")
     assert path.read_text() == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json"]
+
+
+def test_an_update_through_a_link_updates_the_folder_it_names(tmp_path):
+    real = tmp_path / "real"
+    _write(real, OLD)
+    (tmp_path / "link").symlink_to(real)
+    update = publish.FolderUpdate(tmp_path / "link", "test")
+    _write(update.path, {"a": "new", "c": "new", "index": "new"})
+    update.commit(drop=lambda name: name == "b")
+    assert (tmp_path / "link").is_symlink() and _read(real) == NEW

@@ -127,7 +127,8 @@ class FolderUpdate:
     """
 
     def __init__(self, target: Path, purpose: str) -> None:
-        self.target = Path(target)
+        # A link to a folder stays a link: the folder it names is the one updated.
+        self.target = Path(os.path.realpath(target)) if os.path.islink(target) else Path(target)
         self.target.parent.mkdir(parents=True, exist_ok=True)
         self.path = staged_sibling(self.target, purpose)
 
