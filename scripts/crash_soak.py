@@ -47,7 +47,6 @@ from pathlib import Path
 
 import torch
 
-from preshard.converter import convert as convert_module
 from preshard.converter.convert import convert_checkpoint
 from preshard.converter.workdir import JOB_NAME, JOURNAL_NAME, lock_path, partial_dir
 from preshard.format.manifest import MANIFEST_NAME, read_manifest
@@ -605,14 +604,14 @@ class CrashHarness:
         else:
             expected = None  # a partial of a job not seen yet: only the result can be checked
         written: list[str] = []
-        convert_module._after_tensor_hook = written.append
         try:
-            convert_checkpoint(self.source, self.output, tp=mesh.tp, plan=self.plan, overwrite=True, progress=False)
+            convert_checkpoint(
+                self.source, self.output, tp=mesh.tp, plan=self.plan, overwrite=True, progress=False,
+                on_tensor=written.append,
+            )  # fmt: skip
         except Exception as exc:  # a failed re-run is a finding, not a crash of the harness
             self._fail(f"re-run at tp={mesh.tp} failed: {type(exc).__name__}: {exc}")
             return
-        finally:
-            convert_module._after_tensor_hook = None
         self.stats.reruns += 1
         if expected is not None and len(written) != expected:
             self._fail(f"re-run at tp={mesh.tp} wrote {len(written)} tensors, not {expected} ({entries} journalled)")

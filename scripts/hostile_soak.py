@@ -565,13 +565,13 @@ class Soak:
                 if len(seen) == stop_after:
                     raise _Crash  # between two tensors, as a crash would stop it
 
-            saved = convert_module.SYNC_MIN_BYTES, convert_module._after_tensor_hook
-            convert_module.SYNC_MIN_BYTES, convert_module._after_tensor_hook = 1, stop  # journal every tensor
+            saved = convert_module.SYNC_MIN_BYTES
+            convert_module.SYNC_MIN_BYTES = 1  # journal every tensor
             try:
                 with contextlib.suppress(_Crash):
-                    convert_checkpoint(src, out, tp=2, plan=str(self.plan), progress=False)
+                    convert_checkpoint(src, out, tp=2, plan=str(self.plan), progress=False, on_tensor=stop)
             finally:
-                convert_module.SYNC_MIN_BYTES, convert_module._after_tensor_hook = saved
+                convert_module.SYNC_MIN_BYTES = saved
             target = sorted(src.glob("*.safetensors"))[which]
             if how != "unchanged":
                 before = os.stat(target)

@@ -160,10 +160,8 @@ def test_a_resumed_conversion_says_what_it_kept(source, tmp_path, monkeypatch):
         if len(written) == 30:
             raise RuntimeError("simulated crash")
 
-    monkeypatch.setattr(convert, "_after_tensor_hook", crash)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        convert.convert_checkpoint(source, out, tp=2, progress=False)
-    monkeypatch.setattr(convert, "_after_tensor_hook", None)
+        convert.convert_checkpoint(source, out, tp=2, progress=False, on_tensor=crash)
     resumed = cli_runner().invoke(convert_checkpoint_command, [*args, "--json"])
     assert resumed.exit_code == 0, resumed.stderr
     data = json.loads(resumed.stdout)
@@ -288,7 +286,7 @@ def test_keyboard_interrupt_outside_a_conversion_exits_130(source, monkeypatch):
 
 
 INTERRUPT = """
-import os, signal, sys
+import functools, os, signal, sys
 from preshard.converter import convert
 from preshard.cli import convert_checkpoint_command
 
@@ -300,8 +298,12 @@ def convert_and_signal(signum, args):
             sent.append(name)
             os.kill(os.getpid(), signum)
 
-    convert._after_tensor_hook = hook
-    convert_checkpoint_command(args)
+    real = convert.convert_checkpoint
+    convert.convert_checkpoint = functools.partial(real, on_tensor=hook)  # the CLI's call of the library
+    try:
+        convert_checkpoint_command(args)
+    finally:
+        convert.convert_checkpoint = real
 
 source, root, plan = sys.argv[1:4]
 common = ["--tp", "2", "--plan", plan, "--no-progress"]

@@ -208,17 +208,15 @@ def test_interrupted_conversion_resumes_with_any_number_of_workers(
     out = tmp_path / "out"
     monkeypatch.setattr(convert_module, "SYNC_MIN_BYTES", 1)  # journal after every tensor
     hook = _interrupt_after(6, None, out) if first == 1 else _interrupt_after(4, first - 1, out)
-    monkeypatch.setattr(convert_module, "_after_tensor_hook", hook)
     with pytest.raises(Interrupted) as caught, command_scope():  # the CLI's scope: signals stop at a safe point
-        _convert(source, out, workers=first)
+        _convert(source, out, workers=first, on_tensor=hook)
     assert caught.value.signal_number == signal.SIGINT
     assert not out.exists()
     journaled = (partial_dir(out) / JOURNAL_NAME).read_text().count("\n")
     assert 2 <= journaled < BLOCKS * TENSORS_PER_BLOCK
 
     written: list[str] = []
-    monkeypatch.setattr(convert_module, "_after_tensor_hook", written.append)
-    _convert(source, out, workers=second)
+    _convert(source, out, workers=second, on_tensor=written.append)
     _assert_same_files(reference["tp4"], out)
     if second == 1:  # every tensor not in the journal is written once, the journalled ones are kept
         assert len(written) == BLOCKS * TENSORS_PER_BLOCK - journaled
@@ -257,24 +255,23 @@ def test_a_worker_that_dies_is_named_and_the_others_stop(source, reference, tmp_
             os.kill(os.getpid(), signal.SIGKILL)
 
     monkeypatch.setattr(convert_module, "SYNC_MIN_BYTES", 1)
-    monkeypatch.setattr(convert_module, "_after_tensor_hook", hook)
     start = time.monotonic()
     with pytest.raises(WorkerError, match="worker 1 died .signal SIGKILL"):
-        _convert(source, out, workers=2)
+        _convert(source, out, workers=2, on_tensor=hook)
     assert time.monotonic() - start < 60  # worker 0 noticed at once, not at a timeout
     assert not out.exists()
-    monkeypatch.setattr(convert_module, "_after_tensor_hook", None)
     _convert(source, out, workers=2)
     _assert_same_files(reference["tp4"], out)
 
 
 _SLOW_CLI = """
-import sys, time
+import functools, sys, time
 from preshard.format import slicing
 from preshard.converter import convert
 slicing.BAND_BYTES = 4096
 convert.SYNC_MIN_BYTES = 1
-convert._after_tensor_hook = lambda name: time.sleep(0.15)
+# the CLI's call of the library, given a hook that slows every tensor down
+convert.convert_checkpoint = functools.partial(convert.convert_checkpoint, on_tensor=lambda name: time.sleep(0.15))
 from preshard.cli import convert_checkpoint_command
 convert_checkpoint_command.main(sys.argv[1:], prog_name="convert-checkpoint")
 """

@@ -472,7 +472,6 @@ def test_disk_full_while_writing_is_one_line_exit_2_and_a_rerun_resumes(tmp_path
     assert _tree_hash(source) == before
     monkeypatch.setattr(RecordFileWriter, "_write", real_write)
     written: list[str] = []
-    monkeypatch.setattr(convert_module, "_after_tensor_hook", written.append)
-    convert_checkpoint(source, out, tp=2, plan=plan, progress=False)
+    convert_checkpoint(source, out, tp=2, plan=plan, progress=False, on_tensor=written.append)
     assert 0 < len(written) < 16  # the tensors finished before the disk filled up were kept
     assert verify_checkpoint(out, source=source).ok

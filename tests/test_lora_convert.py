@@ -234,10 +234,8 @@ def _crash_after(out: Path, tensors: int, monkeypatch, **kwargs) -> None:
         if len(written) == tensors:
             raise RuntimeError("simulated crash")
 
-    monkeypatch.setattr(convert_module, "_after_tensor_hook", crash)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        convert_checkpoint(output=out, progress=False, **kwargs)
-    monkeypatch.setattr(convert_module, "_after_tensor_hook", None)
+        convert_checkpoint(output=out, progress=False, on_tensor=crash, **kwargs)
 
 
 @pytest.mark.parametrize("change", ["same", "scale", "another file", "none"])
@@ -247,9 +245,8 @@ def test_resume_only_with_the_same_loras(flux, tmp_path, monkeypatch, change):
     _crash_after(out, 30, monkeypatch, source=source, tp=2, loras=[(every, 0.5)])
     loras = {"same": [(every, 0.5)], "scale": [(every, 0.25)], "another file": [(attn, 0.5)], "none": None}[change]
     written: list[str] = []
-    monkeypatch.setattr(convert_module, "_after_tensor_hook", written.append)
     outcome = ConversionOutcome()
-    convert_checkpoint(source, out, tp=2, progress=False, loras=loras, outcome=outcome)
+    convert_checkpoint(source, out, tp=2, progress=False, loras=loras, outcome=outcome, on_tensor=written.append)
     total = len(read_manifest(out).tensors)
     # Resumed (the tensors journalled before the crash: up to the 30 written, less any not yet journalled), or
     # redone from the start.
@@ -257,7 +254,6 @@ def test_resume_only_with_the_same_loras(flux, tmp_path, monkeypatch, change):
     assert (0 < kept <= 30) if change == "same" else kept == 0, kept
     assert len(written) == total - kept
     fresh = tmp_path / "fresh"
-    monkeypatch.setattr(convert_module, "_after_tensor_hook", None)
     convert_checkpoint(source, fresh, tp=2, progress=False, loras=loras)
     for f in read_manifest(fresh).files:
         assert (out / f.name).read_bytes() == (fresh / f.name).read_bytes()

@@ -138,16 +138,15 @@ def test_an_interrupted_reshard_resumes(tmp_path, converted, monkeypatch):
         if len(written) == 10 and crash[0]:
             raise Crash
 
-    given, direct = converted("mixed", 4), converted("mixed", 2)  # made before the hook is set
-    monkeypatch.setattr(convert, "_after_tensor_hook", crash_after_ten)
+    given, direct = converted("mixed", 4), converted("mixed", 2)
     monkeypatch.setattr(convert, "SYNC_MIN_BYTES", 1)  # journal every few tensors of this tiny checkpoint
     out = tmp_path / "out"
     with pytest.raises(Crash):
-        reshard_checkpoint(given, out, tp=2, progress=False)
+        reshard_checkpoint(given, out, tp=2, progress=False, on_tensor=crash_after_ten)
     assert not out.exists() and (tmp_path / ".out.partial").is_dir()
     written.clear()
     crash[0] = False
-    reshard_checkpoint(given, out, tp=2, progress=False)
+    reshard_checkpoint(given, out, tp=2, progress=False, on_tensor=crash_after_ten)
     assert 0 < len(written) < len(read_manifest(out).tensors) - 5  # the finished tensors were kept
     _assert_same_as_direct(out, direct)
 

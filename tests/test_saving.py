@@ -261,6 +261,39 @@ def test_one_process_without_a_process_group(converted, tiny_models, tmp_path):
     _same_folder(tmp_path / "got", tmp_path / "want")
 
 
+def test_a_save_that_fails_part_way_leaves_the_earlier_save_whole(converted, tiny_models, tmp_path, monkeypatch):
+    """A second save_pretrained into the same folder (one file this time, so the earlier numbered files and index
+    are to go) fails at its weights file, or at the publish: the folder is still the first save, file for file."""
+    from diffusers import MiniMaxH3Transformer3DModel as H3
+
+    from preshard.format import publish
+    from preshard.runtime import saving
+    from preshard.runtime.load import load_sharded
+
+    net = load_sharded(H3, converted("mixed", 1), device="cpu")
+    net.save_pretrained(tmp_path / "got", max_shard_size=SMALL_SHARDS)
+    (tmp_path / "got" / "notes.txt").write_text("the user's")  # not preshard's: carried over by every save
+    tiny_models("mixed").save_pretrained(tmp_path / "want", max_shard_size=SMALL_SHARDS)
+    (tmp_path / "want" / "notes.txt").write_text("the user's")
+
+    def full_disk(path, tensors, safe):
+        raise OSError("No space left on device (simulated)")
+
+    def broken_rename(a, b):
+        raise OSError("Input/output error (simulated)")
+
+    for module, name, fake in ((saving, "_write_file", full_disk), (publish, "exchange", broken_rename)):
+        with monkeypatch.context() as patch, pytest.raises(OSError, match="simulated"):
+            patch.setattr(module, name, fake)
+            net.save_pretrained(tmp_path / "got")
+        _same_folder(tmp_path / "got", tmp_path / "want")
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["got", "want"]  # no staged folder left
+    net.save_pretrained(tmp_path / "got")  # and the same save, not failing, replaces the set
+    tiny_models("mixed").save_pretrained(tmp_path / "one-file")
+    (tmp_path / "one-file" / "notes.txt").write_text("the user's")
+    _same_folder(tmp_path / "got", tmp_path / "one-file")  # the numbered files and their index are gone
+
+
 # ---------------------------------------------------------------- tensor-parallel norms and LoRA adapters
 
 

@@ -17,6 +17,7 @@ instead of an interpreter start; one test runs the real `convert-checkpoint` scr
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import json
@@ -305,10 +306,8 @@ def _partial_after(source: Path, plan: Path, out: Path, tensors: int, monkeypatc
         if len(written) == tensors:
             raise RuntimeError("simulated crash")
 
-    monkeypatch.setattr(convert_module, "_after_tensor_hook", crash_after)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        convert_checkpoint(source, out, tp=2, plan=plan, progress=False)
-    monkeypatch.setattr(convert_module, "_after_tensor_hook", None)
+        convert_checkpoint(source, out, tp=2, plan=plan, progress=False, on_tensor=crash_after)
     job = convert_module.plan_conversion(source, mesh=MeshSpec(tp=2), plan=plan)
     return job.write_order
 
@@ -337,8 +336,7 @@ def test_a_damaged_record_in_the_partial_is_redone_with_everything_after_it(smal
     chunk = job.files.chunks[order[damaged]][-1]
     _damage(partial_of(out), chunk, how)
     written: list[str] = []
-    monkeypatch.setattr(convert_module, "_after_tensor_hook", written.append)
-    convert_checkpoint(source, out, tp=2, plan=plan, progress=False)
+    convert_checkpoint(source, out, tp=2, plan=plan, progress=False, on_tensor=written.append)
     assert written == order[damaged:]  # the damaged tensor and everything written after it; nothing before
     assert verify_checkpoint(out, source=source).ok
     # torch's own reader of the DCP checkpoint gives back the source, bit for bit
@@ -375,13 +373,12 @@ def test_a_signal_during_the_resume_check_stops_it_at_the_next_record(small_sour
     real_pread.calls = 0
     monkeypatch.setattr(writer_module, "pread_into", pread_then_signal)
     written: list[str] = []
-    monkeypatch.setattr(convert_module, "_after_tensor_hook", written.append)
     with pytest.raises(Interrupted), command_scope():  # the scope the CLI enters: signals stop at a safe point
-        convert_checkpoint(source, out, tp=2, plan=plan, progress=False)
+        convert_checkpoint(source, out, tp=2, plan=plan, progress=False, on_tensor=written.append)
     assert reads_after_signal and reads_after_signal[0] <= 3, reads_after_signal  # the rest of one record at most
     assert written == [] and tree_hash(partial_of(out)) == before  # nothing lost: the journal is intact
     monkeypatch.setattr(writer_module, "pread_into", real_pread)
-    convert_checkpoint(source, out, tp=2, plan=plan, progress=False)
+    convert_checkpoint(source, out, tp=2, plan=plan, progress=False, on_tensor=written.append)
     assert written == order[journalled:]  # the re-run still keeps every journalled tensor
     assert verify_checkpoint(out, source=source).ok
 
@@ -403,8 +400,7 @@ def test_a_record_damaged_on_disk_while_converting_is_not_blessed_by_the_manifes
 
     # Stages of one block: records are written out as they come, not only at the end (the source is small).
     monkeypatch.setattr(convert_module, "stage_bytes", lambda files: writer_module.ALIGN)
-    monkeypatch.setattr(convert_module, "_after_tensor_hook", damage_once)
-    convert_checkpoint(source, out, tp=2, plan=plan, progress=False)
+    convert_checkpoint(source, out, tp=2, plan=plan, progress=False, on_tensor=damage_once)
     assert damaged, "the record was never written out before the last tensor: nothing was tested"
     problems = verify_checkpoint(out, source=source).problems
     assert any(victim.file in p for p in problems), problems
@@ -440,11 +436,12 @@ def test_a_source_rewritten_during_the_conversion_commits_nothing(small_source, 
             with open(first, "r+b") as f:
                 f.write(data)
 
-    monkeypatch.setattr(convert_module, "_after_tensor_hook", rewrite)
-    code, stdout, stderr = cli(source, out, "--tp", "2", "--plan", plan, "--no-progress")
+    with monkeypatch.context() as patch:  # the CLI's call of the library, given the hook
+        real = convert_module.convert_checkpoint
+        patch.setattr(convert_module, "convert_checkpoint", functools.partial(real, on_tensor=rewrite))
+        code, stdout, stderr = cli(source, out, "--tp", "2", "--plan", plan, "--no-progress")
     assert_one_line(code, stderr, 2, f"source file {first.name} changed while it was being converted")
     assert not out.exists() and partial_of(out).is_dir()
-    monkeypatch.setattr(convert_module, "_after_tensor_hook", None)
     code, _, stderr = cli(source, out, "--tp", "2", "--plan", plan, "--no-progress")
     if change == "appended":  # no longer a valid safetensors file: refused up front
         assert_one_line(code, stderr, 2, first.name)

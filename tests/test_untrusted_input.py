@@ -96,10 +96,8 @@ def _stopped_after(source: Path, plan: Path, out: Path, tensors: int, monkeypatc
         if len(seen) == tensors:
             raise _Crash
 
-    monkeypatch.setattr(convert_module, "_after_tensor_hook", crash)
     with pytest.raises(_Crash):
-        convert_checkpoint(source, out, tp=2, plan=plan, progress=False)
-    monkeypatch.setattr(convert_module, "_after_tensor_hook", None)
+        convert_checkpoint(source, out, tp=2, plan=plan, progress=False, on_tensor=crash)
     return convert_module.plan_conversion(source, mesh=convert_module.MeshSpec(tp=2), plan=plan).write_order
 
 
@@ -137,12 +135,10 @@ def test_resume_keeps_only_what_the_current_source_proves(base, tmp_path, monkey
 
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
     written: list[str] = []
-    monkeypatch.setattr(convert_module, "_after_tensor_hook", written.append)
-    convert_checkpoint(source, out, tp=2, plan=plan, progress=False)
+    convert_checkpoint(source, out, tp=2, plan=plan, progress=False, on_tensor=written.append)
     # Kept: the tensors before the changed one (the source proves them); redone: it and everything after it.
     assert written == order[changed:]
     assert verify_checkpoint(out, source=source).ok
-    monkeypatch.setattr(convert_module, "_after_tensor_hook", None)
     convert_checkpoint(source, tmp_path / "fresh", tp=2, plan=plan, progress=False)
     assert tree(out) == tree(tmp_path / "fresh")  # byte for byte, manifest included
 
@@ -155,8 +151,7 @@ def test_an_unchanged_source_resumes_every_journalled_tensor(base, tmp_path, mon
     journalled = len((out.parent / f".{out.name}.partial" / "journal.jsonl").read_text().splitlines())
     assert journalled >= 15
     written: list[str] = []
-    monkeypatch.setattr(convert_module, "_after_tensor_hook", written.append)
-    convert_checkpoint(source, out, tp=2, plan=plan, progress=False)
+    convert_checkpoint(source, out, tp=2, plan=plan, progress=False, on_tensor=written.append)
     assert written == order[journalled:]
     assert verify_checkpoint(out, source=source).ok
 

@@ -301,8 +301,8 @@ def convert_checkpoint_command(
     if component_choices or keep_layers:
         raise UsageError("--component and --keep-layers apply to a pipeline folder (with model_index.json); drop them")
     if dry_run:
-        from preshard.tools.planner import dry_run as plan_dry_run
-        from preshard.tools.planner import dry_run_json, dry_run_text
+        from preshard.tools.dry_run import dry_run as plan_dry_run
+        from preshard.tools.dry_run import dry_run_json, dry_run_text
 
         mesh = resolve_mesh(None, tp, cp, ring, ulysses, order)
         with _hub_progress(progress):
@@ -458,7 +458,8 @@ def reshard_command(
     hub = {"subfolder": subfolder, "revision": revision, "token": token}
     mesh = {"tp": tp, "cp": cp, "ring": ring, "ulysses": ulysses, "order": order}
     if dry_run:
-        from preshard.tools.planner import reshard_dry_run, write_dry_run_json, write_dry_run_text
+        from preshard.tools.dry_run import write_dry_run_json, write_dry_run_text
+        from preshard.tools.reshard import reshard_dry_run
 
         with _hub_progress(progress):
             report = reshard_dry_run(
@@ -502,7 +503,8 @@ def unshard_command(checkpoint, output, subfolder, revision, token, overwrite, w
     progress = _progress(progress, quiet)
     hub = {"subfolder": subfolder, "revision": revision, "token": token}
     if dry_run:
-        from preshard.tools.planner import unshard_dry_run, write_dry_run_json, write_dry_run_text
+        from preshard.tools.dry_run import write_dry_run_json, write_dry_run_text
+        from preshard.tools.unshard import unshard_dry_run
 
         with _hub_progress(progress):
             report = unshard_dry_run(checkpoint, output, **hub, overwrite=overwrite, start_seconds=_start_seconds())

@@ -36,16 +36,17 @@ RULES: dict[str, set[str]] = {
     # neither imports the converter.
     "tools/inspect.py": {"format", "sources"},
     "tools/verify.py": {"format", "sources"},
-    # the planner sizes a conversion with the converter's own planning (and an unshard with unshard's checks);
-    # reshard/unshard write through the converter.
-    "tools/planner.py": {"format", "plans", "sources", "converter", "tools/estimate.py", "tools/unshard.py"},
+    # the planner sizes a conversion with the converter's own planning; reshard/unshard write through the converter.
+    "tools/planner.py": {"format", "plans", "sources", "converter"},
     "tools/estimate.py": {"format", "sources"},
     # a pipeline's plan: each component as the pipeline conversion treats it, sized by the planner
     "tools/pipeline_plan.py": {"format", "sources", "converter", "tools/planner.py"},
     # --show-plan: the plan a conversion would choose, written as a plan file.
     "tools/show_plan.py": {"format", "plans", "sources"},
-    "tools/reshard.py": {"format", "plans", "sources", "converter"},
-    "tools/unshard.py": {"format", "sources", "converter"},
+    # the dry runs: convert's and what they share here, reshard's and unshard's beside their tools
+    "tools/dry_run.py": {"format", "plans", "sources", "converter", "tools/estimate.py", "tools/planner.py"},
+    "tools/reshard.py": {"format", "plans", "sources", "converter", "tools/estimate.py", "tools/dry_run.py"},
+    "tools/unshard.py": {"format", "sources", "converter", "tools/estimate.py", "tools/dry_run.py"},
     "examples": {"examples"},
     "demo.py": {"format", "converter", "runtime", "examples"},
     "cli.py": {"format", "converter", "tools", "demo.py"},

@@ -42,7 +42,7 @@ from preshard.errors import MismatchError, PreshardError, ResourceError, UsageEr
 from preshard.format import slicing
 from preshard.format.dcp_metadata import dcp_metadata_bytes, write_dcp_metadata
 from preshard.format.dtypes import DType, dtype_name, parse_cast
-from preshard.format.jsonio import dumps_indented, fsync_file, write_text_atomic
+from preshard.format.jsonio import dumps_indented, fsync_file
 from preshard.format.layout import ChunkRecord, FileLayout, TensorLayout, data_file_name, place_records
 from preshard.format.manifest import (
     CONFIG_NAME,
@@ -54,8 +54,9 @@ from preshard.format.manifest import (
     created_now,
     read_manifest,
 )
-from preshard.format.mesh import MeshSpec
+from preshard.format.mesh import MeshSpec, resolve_mesh
 from preshard.format.plan import Plan, resolve_plan
+from preshard.format.publish import publish_text
 from preshard.format.torch_record import RECORD_FRAMING_VERSION
 from preshard.plans.registry import choose_plan, vouched_for
 from preshard.progress import Progress
@@ -64,30 +65,6 @@ from preshard.sources import ConversionSource, SourceRows, open_source
 # Journal (so fsync) about 64 times per conversion, but no more often than every 512 MiB: each fsync also flushes the
 # device's write cache (64 of them took a third of a 4.3 GB conversion on a virtual disk); a crash loses at most that.
 SYNC_MIN_BYTES, SYNC_ROUNDS = 512 << 20, 64
-# Tests replace this to act between tensors (e.g. to crash there); never used otherwise.
-_after_tensor_hook = None
-
-
-def resolve_mesh(
-    mesh: MeshSpec | None,
-    tp: int | None,
-    cp: int | None,
-    ring: int | None,
-    ulysses: int | None,
-    order: str | tuple[str, ...] | None,
-    default: MeshSpec | None = None,
-) -> MeshSpec:
-    """A `MeshSpec` or the keywords, not both; with neither, `default` (or tp is required)."""
-    keywords = (tp, cp, ring, ulysses, order)
-    if mesh is not None:
-        if any(k is not None for k in keywords):
-            raise UsageError("pass either mesh=MeshSpec(...) or tp/cp/ring/ulysses/order, not both")
-        if not isinstance(mesh, MeshSpec):
-            raise UsageError(f"mesh must be a preshard.MeshSpec, not {type(mesh).__name__}")
-        return mesh
-    if tp is None and default is None:
-        raise UsageError("the TP degree is required: pass --tp N (or tp=N / mesh=MeshSpec(tp=N, ...))")
-    return MeshSpec.build(tp, cp, ring, ulysses, order, default=default)
 
 
 @dataclass(frozen=True)
@@ -240,6 +217,7 @@ def convert_checkpoint(
     workers: int = 1,
     loras: Iterable[Any] | None = None,
     outcome: ConversionOutcome | None = None,
+    on_tensor: Callable[[str], None] | None = None,
 ) -> Manifest:
     """Convert a safetensors checkpoint into per-TP-rank DCP shards and a manifest, in `output`.
 
@@ -264,6 +242,9 @@ def convert_checkpoint(
         outcome: filled in with what happened: converted, resumed (with what was kept), or already converted (an
             identical finished conversion is in `output`: nothing is written and its manifest is returned, without
             `overwrite`; see `finished_conversion`).
+        on_tensor: called with each tensor's name, in write order, once its records are written by this process
+            (in each worker process with `workers`); what it raises stops the conversion there, as a crash would
+            (the journalled part is kept for a resume). For progress displays and for tests that stop between tensors.
 
     Returns:
         The manifest written to (or found in) `output/manifest.json`.
@@ -310,11 +291,11 @@ def convert_checkpoint(
     if workers > 1:
         return run_workers(
             write_conversion, job, Path(output), workers=workers, overwrite=overwrite, wait=wait, progress=progress,
-            outcome=outcome,
+            outcome=outcome, on_tensor=on_tensor,
         )  # fmt: skip
     return write_conversion(
         job, Path(output), overwrite=overwrite, wait=wait, progress=progress, coordinator=coordinator,
-        check_model=True, outcome=outcome,
+        check_model=True, outcome=outcome, on_tensor=on_tensor,
     )  # fmt: skip
 
 
@@ -334,6 +315,7 @@ def write_conversion(
     external_stop: Any = None,
     check_model: bool = False,
     outcome: ConversionOutcome | None = None,
+    on_tensor: Callable[[str], None] | None = None,
 ) -> Manifest:
     """Write a planned conversion into `output`, under the output's lock, atomically and resumably.
 
@@ -342,7 +324,7 @@ def write_conversion(
     signal would (a launcher relays signals this way). `check_model`: check the plan against the model class
     (`check_plan_against_model`) on a thread while converting, and commit only if it passes (not needed for a
     built-in plan made for the checkpoint's class: `vouched_for`). `outcome` (the lowest rank's) is told what a
-    resume kept.
+    resume kept. `on_tensor(name)` is called as each tensor of this process is written (`convert_checkpoint`).
     """
     coord = coordinator or Coordinator()
     with ExitStack() as stack:
@@ -371,6 +353,7 @@ def write_conversion(
         background = _Background(check, job)
         conversion = _Conversion(job, output, coord, _stop_check(stop, external_stop, background), overwrite)
         conversion.outcome = outcome
+        conversion.on_tensor = on_tensor or _nothing
         return conversion.run(progress)
 
 
@@ -463,6 +446,7 @@ class _Conversion:
         self.journal: Journal | None = None
         self.identity = self.config_bytes = None
         self.outcome: ConversionOutcome | None = None
+        self.on_tensor: Callable[[str], None] = _nothing
 
     def _note(self, text: str) -> None:
         """One line on stderr where progress is shown (`progress=None`: when stderr is a terminal)."""
@@ -564,7 +548,7 @@ class _Conversion:
                 points=points,
                 exchange=exchange,
                 journal=claim,
-                on_tensor=_tensor_written,
+                on_tensor=self.on_tensor,
                 on_bytes=bar.update,
                 check_stop=self.check_stop,
                 band_bytes=job.band_bytes,
@@ -603,7 +587,7 @@ class _Conversion:
                 write_dcp_metadata(work, manifest, metadata)
                 for name in ("journal.jsonl", "job.json"):
                     (work / name).unlink(missing_ok=True)
-                write_text_atomic(work / MANIFEST_NAME, text)
+                publish_text(work / MANIFEST_NAME, text)
                 self.check_stop()
                 commit(work, self.output)
             except BaseException as exc:
@@ -725,9 +709,8 @@ def _sync_points(job: ConversionPlan, done: dict) -> list[int]:
     return points
 
 
-def _tensor_written(name: str) -> None:
-    if _after_tensor_hook is not None:
-        _after_tensor_hook(name)
+def _nothing(name: str) -> None:
+    """The default `on_tensor`."""
 
 
 def _manifest(

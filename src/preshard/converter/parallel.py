@@ -237,6 +237,7 @@ def run_workers(
     wait: bool = False,
     progress: bool | None = None,
     outcome: Any = None,
+    on_tensor: Callable[[str], None] | None = None,
 ) -> Manifest:
     """Convert `job` (a `ConversionPlan`) into `output` with `workers` local processes (forked: nothing is imported
     again), each running `write` (`convert.write_conversion`) on its share.
@@ -261,6 +262,7 @@ def run_workers(
                 options = {"overwrite": overwrite, "wait": wait, "progress": progress if rank == 0 else False}
                 options["check_model"] = True  # on the lowest rank, while it converts
                 options["outcome"] = copy.copy(outcome) if rank == 0 else None  # filled in, sent back
+                options["on_tensor"] = on_tensor  # every worker's (forked: a closure travels)
                 reader, writer = ctx.Pipe(duplex=False)
                 args = (
                     rank,

@@ -49,7 +49,7 @@ from preshard.converter.workdir import (
     partial_dir,
 )
 from preshard.errors import PreshardError, SourceError, SourceNotFoundError, UsageError
-from preshard.format.jsonio import dumps_indented, fsync_dir, fsync_file
+from preshard.format.jsonio import dumps_indented, fsync_file
 from preshard.format.manifest import CONFIG_NAME, created_now
 from preshard.format.mesh import MeshSpec
 from preshard.format.pipeline_record import (
@@ -62,6 +62,7 @@ from preshard.format.pipeline_record import (
     read_pipeline_index,
     read_pipeline_record,
 )
+from preshard.format.publish import fsync_dir
 from preshard.plans.registry import builtin_plan_for_class
 
 PIPELINE = OutputKind(f"a converted pipeline (it has no {PIPELINE_RECORD_NAME})", is_pipeline_record)

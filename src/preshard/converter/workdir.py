@@ -14,13 +14,11 @@ leaves no output or the previous complete one.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import fcntl
 import json
 import os
 import shutil
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -36,9 +34,9 @@ from preshard.errors import (
     OutputLockedError,
     OutputPermissionError,
 )
-from preshard.format.jsonio import fsync_dir
 from preshard.format.layout import ChunkRecord, FileLayout, data_file_name
 from preshard.format.manifest import MANIFEST_FORMAT, MANIFEST_NAME
+from preshard.format.publish import publish_folder
 from preshard.units import human_bytes
 
 JOURNAL_NAME = "journal.jsonl"
@@ -339,38 +337,10 @@ class Journal:
         self.file.close()
 
 
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap two directories in one atomic step (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV):
-        return False
-    raise OSError(err, os.strerror(err), str(b))
-
-
 def commit(work: Path, output: Path) -> None:
-    """Rename the finished folder into place. An existing output is swapped out atomically where the system can
-    (a crash leaves the old or the new checkpoint at `output`, never neither), else moved aside first; either way
-    the old one is then removed."""
-    fsync_dir(work)
-    if output.exists() and _exchange(work, output):
-        shutil.rmtree(work)  # now the previous output
-    elif output.exists():
-        retired = output.parent / f".{output.name}.replaced-{os.getpid()}-{time.monotonic_ns()}"
-        os.rename(output, retired)
-        os.rename(work, output)
-        shutil.rmtree(retired)
-    else:
-        os.rename(work, output)
-    fsync_dir(output.parent)
+    """Put the finished folder in place (`format/publish.publish_folder`): a crash leaves the old or the new
+    checkpoint at `output`, never a mix; the old one is then removed."""
+    publish_folder(work, output)
 
 
 def open_writers(

@@ -1,4 +1,4 @@
-"""JSON files on disk: strict reading with one-line errors, and atomic, durable writing.
+"""JSON files on disk: strict reading with one-line errors, and atomic, durable writing (through `format/publish.py`).
 
 Every JSON file preshard reads (manifest, plan, config, index) can be hand-edited or damaged, so
 reading never raises anything but the caller's `PreshardError` subclass: not a regular file (a FIFO is refused,
@@ -14,6 +14,7 @@ from typing import Any
 
 from preshard.errors import PreshardError
 from preshard.format.folder import read_regular
+from preshard.format.publish import publish_text
 
 
 def parse_json_text(text: str | bytes, where: str, error: type[PreshardError], fix: str) -> Any:
@@ -53,14 +54,6 @@ def canonical_json(data: Any) -> bytes:
 def fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def dumps_indented(data: Any) -> str:
@@ -139,16 +132,5 @@ def _floatstr(v: float) -> str:
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
-    """Write, flush and fsync a sibling, then rename over `path`: readers see the old file or the new one."""
-    write_text_atomic(path, dumps_indented(data) + "\n")
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """`write_json_atomic` of text already made (UTF-8)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Write `data` as indented JSON through `publish_text`: readers see the old file or the new one."""
+    publish_text(path, dumps_indented(data) + "\n")

@@ -168,3 +168,30 @@ class MeshSpec:
 
     def describe(self) -> str:
         return f"tp={self.tp} x ring={self.ring} x ulysses={self.ulysses} (order {','.join(self.order)})"
+
+
+def resolve_mesh(
+    mesh: MeshSpec | None,
+    tp: int | None,
+    cp: int | None,
+    ring: int | None,
+    ulysses: int | None,
+    order: str | tuple[str, ...] | None,
+    default: MeshSpec | None = None,
+) -> MeshSpec:
+    """The one resolution of a mesh from what a caller passes (convert, reshard, their dry runs, load_sharded): a
+    `MeshSpec` or the keywords, not both; with neither, `default` (or tp is required).
+
+    Raises:
+        UsageError: both given, a mesh that is no MeshSpec, no TP degree and no default, or a bad keyword.
+    """
+    keywords = (tp, cp, ring, ulysses, order)
+    if mesh is not None:
+        if any(k is not None for k in keywords):
+            raise UsageError("pass either mesh=MeshSpec(...) or tp/cp/ring/ulysses/order, not both")
+        if not isinstance(mesh, MeshSpec):
+            raise UsageError(f"mesh must be a preshard.MeshSpec, not {type(mesh).__name__}")
+        return mesh
+    if tp is None and default is None:
+        raise UsageError("the TP degree is required: pass --tp N (or tp=N / mesh=MeshSpec(tp=N, ...))")
+    return MeshSpec.build(tp, cp, ring, ulysses, order, default=default)

@@ -30,6 +30,7 @@ from torch import nn
 
 from preshard.errors import InconsistentInputsError, UsageError
 from preshard.runtime import collectives
+from preshard.runtime.changes import ModelChanges
 
 CHECK_ATTRIBUTE = "preshard_input_check"
 MODES = ("check", "broadcast", "off")
@@ -122,8 +123,10 @@ def attach_input_check(model: nn.Module, mode: str, device: torch.device) -> Inp
         model=type(model).__name__,
         checked=torch.zeros(1, dtype=torch.int64, device=device),
     )
-    setattr(model, CHECK_ATTRIBUTE, check)
-    model.register_forward_pre_hook(_input_check_hook, with_kwargs=True, prepend=True)
+    changes = ModelChanges.of(model)
+    changes.set_attribute(model, "", CHECK_ATTRIBUTE, check)
+    handle = model.register_forward_pre_hook(_input_check_hook, with_kwargs=True, prepend=True)
+    changes.hook("", f"input check: {mode}", handle)
     return check
 
 

@@ -50,6 +50,7 @@ from preshard.errors import PlanError, UsageError
 from preshard.format.plan import CPEntry, Plan, SeqDim, matches
 from preshard.plans.from_model import DIFFUSERS_CP_JOIN_ORDER, cp_plan_from_diffusers
 from preshard.runtime import collectives
+from preshard.runtime.changes import ModelChanges
 from preshard.runtime.cp_attention import CPGroups, KeySequence, cp_attention, neuron_flash_advice
 from preshard.runtime.devices import RankDevice
 from preshard.runtime.groups import MeshGroups
@@ -461,16 +462,18 @@ class _RoutedAttention(nn.Module):
 _ROUTED_CLASSES: dict[type, type] = {}  # one routed subclass per attention class (a class cache, not state)
 
 
-def route_attention(module: nn.Module, runtime: CPRuntime, name: str) -> None:
-    """Run `module`'s SDPA calls across the CP group: switch it to a routed subclass carrying its router."""
+def route_attention(module: nn.Module, runtime: CPRuntime, name: str, changes: ModelChanges | None = None) -> None:
+    """Run `module`'s SDPA calls across the CP group: switch it to a routed subclass carrying its router (recorded
+    in the model's `changes`)."""
+    changes = changes or ModelChanges(module)
     cls = type(module)
     if not issubclass(cls, _RoutedAttention):
         routed = _ROUTED_CLASSES.get(cls)
         if routed is None:
             routed = type(cls.__name__, (_RoutedAttention, cls), {"__module__": cls.__module__})
             _ROUTED_CLASSES[cls] = routed
-        module.__class__ = routed
-    module._preshard_cp_router = _CPAttentionRouter(runtime, name)
+        changes.swap_class(module, name, routed, f"routed {cls.__name__} (its SDPA calls across the cp group)")
+    changes.set_attribute(module, name, "_preshard_cp_router", _CPAttentionRouter(runtime, name))
 
 
 def unroute_attention(module: nn.Module) -> None:
@@ -589,8 +592,9 @@ def attach_context_parallel(
     if not attention:
         raise PlanError("the plan marks no attention module for context parallelism; add one with context_parallel")
     modules = dict(model.named_modules())
-    model._preshard_cp = runtime
-    model.register_forward_pre_hook(_begin_forward_hook(runtime))
+    changes = ModelChanges.of(model)
+    changes.set_attribute(model, "", "_preshard_cp", runtime)
+    changes.hook("", "cp: begin forward", model.register_forward_pre_hook(_begin_forward_hook(runtime)))
     ranks = f"cp group {sorted(cp_members)}"
     for pattern, entry in cp_plan.items():
         hits = [n for n in modules if matches(pattern, n)]
@@ -600,15 +604,17 @@ def attach_context_parallel(
             module = modules[name]
             if entry.split_inputs:
                 hook = _split_inputs_hook(runtime, name, entry.split_inputs, _argument_positions(module))
-                module.register_forward_pre_hook(hook, with_kwargs=True)
+                changes.hook(name, "cp: split inputs", module.register_forward_pre_hook(hook, with_kwargs=True))
                 for arg, s in entry.split_inputs.items():
                     report.add_hook(name, f"cp: split input {arg} dim {s.dim} over {ranks}")
             if entry.split_outputs:
-                module.register_forward_hook(_split_outputs_hook(runtime, name, entry.split_outputs))
+                handle = module.register_forward_hook(_split_outputs_hook(runtime, name, entry.split_outputs))
+                changes.hook(name, "cp: split outputs", handle)
                 for key, s in entry.split_outputs.items():
                     report.add_hook(name, f"cp: split output {key} dim {s.dim} over {ranks}")
             if entry.gather_output is not None:
-                module.register_forward_hook(_gather_hook(runtime, name, entry.gather_output))
+                handle = module.register_forward_hook(_gather_hook(runtime, name, entry.gather_output))
+                changes.hook(name, "cp: all-gather output", handle)
                 report.add_hook(name, f"cp: all-gather output dim {entry.gather_output.dim} over {ranks}")
 
     axes = [axis for axis in ("ulysses", "ring") if spec.size(axis) > 1]
@@ -617,7 +623,7 @@ def attach_context_parallel(
     for rule in attention:
         for name, module in modules.items():
             if name and matches(rule.match, name):
-                route_attention(module, runtime, name)
+                route_attention(module, runtime, name, changes)
                 routers[name] = module._preshard_cp_router
                 report.add_hook(name, description)
     report.attention_rows = AttentionRows(routers)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from preshard.errors import DeviceError
+from preshard.runtime.changes import ModelChanges
 
 
 def same_device(a: torch.device, b: torch.device) -> bool:
@@ -33,24 +34,27 @@ def attach_device_guard(model: nn.Module, device: torch.device, world_size: int)
         device: the rank's device.
         world_size: the ranks the model is sharded over, for the message.
     """
-    original = model._apply
     name = type(model).__name__
 
-    def _apply(fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
-        try:
-            target = fn(torch.empty(0, device=device))
-        except Exception:  # noqa: BLE001 - a conversion an empty tensor cannot take: the real call decides
-            target = None
-        if isinstance(target, torch.Tensor) and not same_device(target.device, device):
-            raise DeviceError(
-                f"{name} is sharded over {world_size} ranks and this rank's shard lives on {device}, so moving it "
-                f"to {target.device} is refused; choose the device with load_sharded(..., device=...) and leave the "
-                "sharded model out of offloading (enable_model_cpu_offload, device maps): each rank already holds "
-                "only its shard"
-            )
-        return original(fn, recurse)
+    def guard(original: Callable) -> Callable:
+        def _apply(fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
+            try:
+                target = fn(torch.empty(0, device=device))
+            except Exception:  # noqa: BLE001 - a conversion an empty tensor cannot take: the real call decides
+                target = None
+            if isinstance(target, torch.Tensor) and not same_device(target.device, device):
+                raise DeviceError(
+                    f"{name} is sharded over {world_size} ranks and this rank's shard lives on {device}, so moving "
+                    f"it to {target.device} is refused; choose the device with load_sharded(..., device=...) and "
+                    "leave the sharded model out of offloading (enable_model_cpu_offload, device maps): each rank "
+                    "already holds only its shard"
+                )
+            return original(fn, recurse)
 
-    model._apply = _apply  # type: ignore[method-assign]
+        return _apply
+
+    changes = ModelChanges.of(model)
+    changes.wrap_method("_apply", "device guard: moves to another device refused", guard)
 
     def refuse_offload(module: nn.Module, args: tuple) -> None:
         # accelerate's hooks (enable_*_cpu_offload, device maps) set `_hf_hook`; sequential offloading moves the
@@ -63,4 +67,6 @@ def attach_device_guard(model: nn.Module, device: torch.device, world_size: int)
                 "shard"
             )
 
-    model.register_forward_pre_hook(refuse_offload, prepend=True)
+    changes.hook(
+        "", "device guard: accelerate offloading refused", model.register_forward_pre_hook(refuse_offload, prepend=True)
+    )

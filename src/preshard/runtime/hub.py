@@ -21,10 +21,10 @@ offline cache holds it), the cache's snapshot folder is used as it is.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +40,7 @@ from preshard.errors import (
 from preshard.format.folder import read_regular
 from preshard.format.layout import ChunkRecord
 from preshard.format.manifest import DCP_METADATA_NAME, MANIFEST_NAME, Manifest, chunk_digest, read_manifest
+from preshard.format.publish import publish_folder, staged_sibling
 
 LIBRARY = "preshard"
 COMPLETE_NAME = ".preshard-rank-folder.json"  # written last in a rank folder: which manifest, which files
@@ -164,8 +165,7 @@ def _rank_folder(
     final = root / ((f"{subfolder.replace('/', '--')}--" if subfolder else "") + f"tp{rank}-of-{manifest.tp}")
     if _complete(final, manifest):
         return final
-    work = root / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    work.mkdir()
+    work = staged_sibling(final, "tmp")
     try:
         for name in links:
             _link(snapshot / name, work / name)
@@ -175,11 +175,9 @@ def _rank_folder(
         )
         if final.exists() and not _complete(final, manifest):
             shutil.rmtree(final, ignore_errors=True)  # stale: e.g. the HF cache it linked to was cleaned
-        try:
-            os.rename(work, final)
-        except OSError:
-            if not _complete(final, manifest):  # another rank of this machine finished first: use its folder
-                raise
+        if not publish_folder(work, final, replace=False) and not _complete(final, manifest):
+            raise OSError(errno.EEXIST, "an incomplete rank folder is in the way", str(final))
+        # (False with a complete folder: another rank of this machine finished first; its folder is used)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return final

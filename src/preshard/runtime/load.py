@@ -14,11 +14,12 @@ from preshard.errors import MismatchError, PreshardError, UsageError
 from preshard.format.dtypes import DType, parse_cast
 from preshard.format.locate import local_path
 from preshard.format.manifest import MANIFEST_NAME, Manifest
-from preshard.format.mesh import MeshSpec
+from preshard.format.mesh import MeshSpec, resolve_mesh
 from preshard.format.quant import is_companion
 from preshard.process import one_line_errors_under_torchrun
 from preshard.runtime import collectives, quant
 from preshard.runtime.agreement import agree_on_checkpoint, agree_on_outcome
+from preshard.runtime.changes import ModelChanges
 from preshard.runtime.consistency import parse_mode
 from preshard.runtime.construct import (
     build_model,
@@ -220,14 +221,15 @@ def _load_held(
         for name, module in sharded.items()
         if manifest.tensors[f"{name}.weight"].layout.style.module_kind == "linear"
     }
+    changes = ModelChanges.of(net)  # the record of every change below, each with its undo
     for module_name, module in linears.items():
         style = manifest.tensors[f"{module_name}.weight"].layout.style
-        description = parallelize_linear(module, style, groups.tp, tp_rank, manifest.tp)
+        description = parallelize_linear(module, style, groups.tp, tp_rank, manifest.tp, changes, module_name)
         if description is not None:
             report.add_hook(module_name, description)
     tp_hooks = {
-        **parallelize_norms(net, manifest.plan, groups.tp, tp_rank, manifest.tp),
-        **split_outputs(net, manifest.plan, tp_rank, manifest.tp),
+        **parallelize_norms(net, manifest.plan, groups.tp, tp_rank, manifest.tp, changes),
+        **split_outputs(net, manifest.plan, tp_rank, manifest.tp, changes),
     }
     dequantize_to = quant.compute_dtype(net, cast.torch if cast is not None else None)
     tp_hooks.update(quant.attach(net, quantized, dequantize_to))
@@ -242,23 +244,19 @@ def _load_held(
     quant.attach_state_views(net, quantized)
     net.requires_grad_(False)
     report.total_seconds = time.perf_counter() - start
-    setattr(net, REPORT_ATTRIBUTE, report)
+    report.changes = changes
+    changes.set_attribute(net, "", REPORT_ATTRIBUTE, report)
     return net
 
 
 def _run_mesh(manifest: Manifest, rank_device: RankDevice, mesh, cp, ring, ulysses, order) -> MeshSpec:
     saved = manifest.mesh
-    if mesh is not None:
-        if any(v is not None for v in (cp, ring, ulysses, order)):
-            raise UsageError("pass either mesh=MeshSpec(...) or cp/ring/ulysses/order, not both")
-        if mesh.tp != saved.tp:
-            raise MismatchError(
-                f"mesh tp={mesh.tp} differs from the checkpoint's tp={saved.tp}; reshard the checkpoint "
-                f"(preshard reshard IN OUT --tp {mesh.tp}) or pass a mesh with tp={saved.tp}"
-            )
-        run = mesh
-    else:
-        run = MeshSpec.build(saved.tp, cp, ring, ulysses, order, default=saved)
+    run = resolve_mesh(mesh, None, cp, ring, ulysses, order, default=saved)  # the TP degree is the checkpoint's
+    if run.tp != saved.tp:
+        raise MismatchError(
+            f"mesh tp={run.tp} differs from the checkpoint's tp={saved.tp}; reshard the checkpoint "
+            f"(preshard reshard IN OUT --tp {run.tp}) or pass a mesh with tp={saved.tp}"
+        )
     if run.world_size != rank_device.world_size:
         raise MismatchError(world_size_message(run, rank_device.world_size))
     return run

@@ -25,7 +25,7 @@ write this rank's slices).
 from __future__ import annotations
 
 import contextlib
-import types
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +39,7 @@ from preshard.errors import UsageError
 from preshard.format.layout import TensorLayout
 from preshard.format.manifest import Manifest
 from preshard.format.styles import REPLICATE, Style
+from preshard.runtime.changes import ModelChanges
 from preshard.runtime.tp import ParallelLinear, parallelize_linear
 
 STATE_ATTRIBUTE = "_preshard_lora"
@@ -65,10 +66,8 @@ class ShardedLora:
         tp_rank: int,
         tp: int,
         report: Any,
-        original_load: Any,
     ) -> None:
         self.layers, self.group, self.tp_rank, self.tp, self.report = layers, group, tp_rank, tp, report
-        self.original_load = original_load  # the model's own load_lora_adapter (bound)
 
     @contextlib.contextmanager
     def global_features(self) -> Iterator[None]:
@@ -187,8 +186,8 @@ def _keys(source: Any) -> list[str]:
     return []
 
 
-def _load_lora_adapter(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """`load_lora_adapter` on a sharded model: the model's own, around which the adapters are sliced."""
+def _load_lora_adapter(model: nn.Module, inner: Any, *args: Any, **kwargs: Any) -> Any:
+    """`load_lora_adapter` on a sharded model: `inner` (the model's own), around which the adapters are sliced."""
     state: ShardedLora = getattr(model, STATE_ATTRIBUTE)
     if kwargs.get("hotswap"):
         raise UsageError(f"hotswap=True is not supported on a sharded model; load the adapter without it, {FUSE_HINT}")
@@ -199,7 +198,7 @@ def _load_lora_adapter(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
     state.restore_layers(model)
     try:
         with state.global_features():
-            return state.original_load(*args, **kwargs)
+            return inner(*args, **kwargs)
     finally:
         state.shard_adapters(model)  # also what a failed load left behind, so no adapter stays unsliced
 
@@ -235,13 +234,13 @@ def attach_lora_loading(
     for name, module in sharded.items():
         layout = manifest.tensors[f"{name}.weight"].layout
         layers[name] = ShardedLayer(module, layout.style, *layout.shape)
-    state = ShardedLora(layers, group, tp_rank, manifest.tp, report, model.load_lora_adapter)
-    setattr(model, STATE_ATTRIBUTE, state)
-    model.load_lora_adapter = types.MethodType(_load_lora_adapter, model)
-    if callable(getattr(model, "add_adapter", None)):
-        model.add_adapter = types.MethodType(_add_adapter, model)
-    if callable(getattr(model, "save_lora_adapter", None)):
-        model.save_lora_adapter = types.MethodType(_save_lora_adapter, model)
+    changes = ModelChanges.of(model)
+    changes.set_attribute(model, "", STATE_ATTRIBUTE, ShardedLora(layers, group, tp_rank, manifest.tp, report))
+    layer = "lora: load the adapters sliced"
+    changes.wrap_method("load_lora_adapter", layer, lambda inner: functools.partial(_load_lora_adapter, model, inner))
+    for name, refuse in (("add_adapter", _add_adapter), ("save_lora_adapter", _save_lora_adapter)):
+        if callable(getattr(model, name, None)):
+            changes.wrap_method(name, "lora: refused", lambda own, refuse=refuse: functools.partial(refuse, model))
     return True
 
 

@@ -34,12 +34,26 @@ class LoadReport:
     input_check: str | None = None  # what every forward does with the inputs across ranks (None: one rank)
     read_seconds: float = 0.0
     total_seconds: float = 0.0
+    # Everything load_sharded changed on the model, each with its undo (`runtime/changes.ModelChanges`).
+    changes: Any = field(default=None, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         """The report as plain data; `read_bytes_per_rank` is this rank's reads, as `plan` and `inspect` count them."""
         data = {k: v for k, v in vars(self).items() if k != "bytes_read"}
         data["attention_rows"] = dict(self.attention_rows)  # CP reads it from the attention routers
+        data["changes"] = self.list_changes()
         return {"read_bytes_per_rank": self.bytes_read, **data}
+
+    def list_changes(self) -> list[str]:
+        """One line per change load_sharded made on the model (a hook, a swapped class, an attribute, a wrapped
+        method and its layers), in the order made; `model.preshard_changes.undo()` takes them back."""
+        if self.changes is None or isinstance(self.changes, list):
+            return list(self.changes or [])
+        return self.changes.describe()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A report sent to another process carries the list of changes, not their undo (bound to this model)."""
+        return {**vars(self), "changes": self.list_changes()}
 
     def add_hook(self, module: str, description: str) -> None:
         self.hooks.setdefault(module, []).append(description)

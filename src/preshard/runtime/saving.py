@@ -14,7 +14,8 @@ row- and column-splits and any style that describes itself as a layout come back
   of rank 0's TP group only, and global rank 0 writes it, with diffusers' own file layout (the split of
   `huggingface_hub.split_torch_state_dict_into_shards`, safetensors with `{"format": "pt"}`, the index JSON,
   `save_config`), so the folder is byte for byte the one the unsharded model writes. The other ranks write
-  nothing. Files land in a temporary folder first and are moved into place once all are written.
+  nothing. Files land in a staged sibling folder and the folder is published in one step once all are
+  written (`format/publish.FolderUpdate`): a failure or a crash leaves the earlier save whole, never a mix.
 
 LoRA adapters (runtime/lora.py) are known: with adapters loaded, state_dict() has PEFT's names (a wrapped
 layer's `base_layer`, each adapter's factors) and every tensor in full, as the unsharded model with the same
@@ -31,8 +32,6 @@ import functools
 import json
 import os
 import re
-import shutil
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,8 +43,10 @@ from torch.distributed import ProcessGroup
 
 from preshard.errors import UsageError
 from preshard.format.layout import TensorLayout
+from preshard.format.publish import FolderUpdate
 from preshard.format.styles import REPLICATE
 from preshard.runtime import collectives
+from preshard.runtime.changes import ModelChanges
 
 SHARDING_ATTRIBUTE = "preshard_sharding"
 _SHARD_FILE = re.compile(r"(.*?)-\d{5}-of-\d{5}")  # diffusers' numbered weight files
@@ -156,20 +157,38 @@ def attach_saving(
         if layout.sharded and tp > 1:
             module_name, _, leaf = name.rpartition(".")
             by_module.setdefault(module_name, {})[leaf] = name
+    changes = ModelChanges.of(model)
     for module_name, leaves in by_module.items():
         module = modules[module_name]
-        sharding.hooks.append(module.register_state_dict_post_hook(_gather_hook(sharding, leaves)))
-        sharding.hooks.append(module.register_load_state_dict_pre_hook(_slice_hook(sharding, leaves)))
+        hooks = [
+            ("state_dict: gathered", module.register_state_dict_post_hook(_gather_hook(sharding, leaves))),
+            ("load_state_dict: sliced", module.register_load_state_dict_pre_hook(_slice_hook(sharding, leaves))),
+        ]
+        for what, handle in hooks:
+            sharding.hooks.append(changes.hook(module_name, what, handle))
     root_prefix = {id(m): n + "." if n else "" for n, m in modules.items()}
-    for module in modules.values():
+    for module_name, module in modules.items():
         # Refuse before any gather starts: a parameter of unknown layout anywhere under the module asked.
-        sharding.hooks.append(module.register_state_dict_pre_hook(_refuse_unknown_hook(sharding, root_prefix)))
-        sharding.hooks.append(module.register_state_dict_post_hook(_gather_adapters_hook(sharding, root_prefix)))
-    setattr(model, SHARDING_ATTRIBUTE, sharding)
-    model.save_pretrained = _bound_save_pretrained(model, sharding)  # type: ignore[method-assign]
-    load_lora_adapter = getattr(model, "load_lora_adapter", None)
-    if callable(load_lora_adapter):
-        model.load_lora_adapter = _with_local_state(model, load_lora_adapter)  # type: ignore[method-assign]
+        hooks = [
+            ("state_dict: unknown parameters refused", module.register_state_dict_pre_hook(
+                _refuse_unknown_hook(sharding, root_prefix)
+            )),
+            ("state_dict: adapters gathered", module.register_state_dict_post_hook(
+                _gather_adapters_hook(sharding, root_prefix)
+            )),
+        ]  # fmt: skip
+        for what, handle in hooks:
+            sharding.hooks.append(changes.hook(module_name, what, handle))
+    changes.set_attribute(model, "", SHARDING_ATTRIBUTE, sharding)
+    changes.wrap_method(
+        "save_pretrained", "saving: collective, full tensors", lambda own: _bound_save_pretrained(model, sharding)
+    )
+    if callable(getattr(model, "load_lora_adapter", None)):
+        changes.wrap_method(
+            "load_lora_adapter",
+            "saving: this rank's slices as state_dict",
+            lambda inner: _with_local_state(model, inner),
+        )
     return sharding
 
 
@@ -416,15 +435,14 @@ def save_sharded(
 
 
 class _Staging:
-    """Rank 0's files, written into a hidden folder inside the target and moved into place only once all exist."""
+    """Rank 0's files, written into a staged sibling of the target (`format/publish.FolderUpdate`) and published
+    with what the folder keeps in one step, once all exist: a failure or crash leaves the earlier save whole."""
 
     def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self.folder: Path | None = None
+        self.update: FolderUpdate | None = None
         self.failure: BaseException | None = None
         try:
-            directory.mkdir(parents=True, exist_ok=True)
-            self.folder = Path(tempfile.mkdtemp(prefix=".preshard-save-", dir=directory))
+            self.update = FolderUpdate(directory, "preshard-save")
         except BaseException as exc:  # noqa: BLE001 - reported after the collectives
             self.failure = exc
 
@@ -433,25 +451,27 @@ class _Staging:
         return self.failure is None
 
     def run(self, write, name: str, *args: Any) -> None:
-        if self.ok:
+        if self.ok and self.update is not None:
             try:
-                write(self.folder / name, *args)
+                write(self.update.path / name, *args)
             except BaseException as exc:  # noqa: BLE001 - reported after the collectives
                 self.failure = exc
 
     def commit(self, weights_name: str, keep: set[str], stale_index: str | None) -> None:
+        if self.update is None:
+            return
+        if not self.ok:
+            self.update.abandon()
+            return
+        directory = self.update.target
+
+        def drop(name: str) -> bool:  # an unsharded save: an earlier index would point at removed files
+            return name == stale_index or _stale(directory / name, weights_name, keep)
+
         try:
-            if self.ok:
-                _remove_stale(self.directory, weights_name, keep)
-                if stale_index is not None:  # an unsharded save: an earlier index would point at removed files
-                    (self.directory / stale_index).unlink(missing_ok=True)
-                for path in self.folder.iterdir():
-                    os.replace(path, self.directory / path.name)
+            self.update.commit(drop)
         except BaseException as exc:  # noqa: BLE001 - reported after the collectives
             self.failure = exc
-        finally:
-            if self.folder is not None:
-                shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def _write_text(path: Path, text: str) -> None:
@@ -467,12 +487,10 @@ def _write_file(path: Path, tensors: dict[str, torch.Tensor], safe_serialization
         torch.save(tensors, path)
 
 
-def _remove_stale(directory: Path, weights_name: str, keep: set[str]) -> None:
-    """Numbered weight files of an earlier save that this one does not write, as diffusers removes them."""
+def _stale(path: Path, weights_name: str, keep: set[str]) -> bool:
+    """A numbered weight file of an earlier save that this one does not write, as diffusers removes them."""
     stem = weights_name.replace(".bin", "").replace(".safetensors", "")
-    for path in directory.iterdir():
-        if path.name in keep or not path.is_file():
-            continue
-        bare = path.name.replace(".bin", "").replace(".safetensors", "")
-        if path.name.startswith(stem) and _SHARD_FILE.fullmatch(bare) is not None:
-            path.unlink()
+    if path.name in keep or not path.is_file():
+        return False
+    bare = path.name.replace(".bin", "").replace(".safetensors", "")
+    return path.name.startswith(stem) and _SHARD_FILE.fullmatch(bare) is not None

@@ -24,6 +24,7 @@ from preshard.errors import PlanError
 from preshard.format.plan import Plan, SeqDim, matches
 from preshard.format.styles import Style, TPRMSNorm
 from preshard.runtime import collectives
+from preshard.runtime.changes import ModelChanges
 
 
 class _StyleForward:
@@ -47,17 +48,36 @@ class ParallelLinear(_StyleForward, nn.Linear):
 
 
 def parallelize_linear(
-    module: nn.Linear, style: Style, group: ProcessGroup | None, tp_rank: int, tp: int
+    module: nn.Linear,
+    style: Style,
+    group: ProcessGroup | None,
+    tp_rank: int,
+    tp: int,
+    changes: ModelChanges | None = None,
+    where: str = "",
 ) -> str | None:
-    """Switch `module` to `style`'s forward; returns the description for the model's report (None: unchanged)."""
+    """Switch `module` to `style`'s forward; returns the description for the model's report (None: unchanged).
+
+    Args:
+        changes, where: the model's record of changes and the module's name in it (None: not recorded, as for
+            the factors of a LoRA adapter, which go with the adapter).
+    """
     forward = style.parallel_forward()
     if forward is None:
         return None
-    module.__class__ = ParallelLinear
-    module.preshard_style, module.preshard_forward = style, forward
-    module.tp_group, module.tp_rank, module.tp_size = group, tp_rank, tp
     what = "slice replicated input, " if style.name == "replicated_input_rowwise" else ""
-    return f"tp: {style.name}: {what}all-reduce(sum) over tp group, bias after reduce"
+    described = f"tp: {style.name}: {what}all-reduce(sum) over tp group, bias after reduce"
+    _switch(changes or ModelChanges(module), module, where, ParallelLinear, described, {
+        "preshard_style": style, "preshard_forward": forward, "tp_group": group, "tp_rank": tp_rank, "tp_size": tp,
+    })  # fmt: skip
+    return described
+
+
+def _switch(changes: ModelChanges, module: nn.Module, where: str, cls: type, what: str, attributes: dict) -> None:
+    """Switch `module` to `cls` with the attributes its forward reads, recorded in `changes`."""
+    changes.swap_class(module, where, cls, f"{cls.__name__} ({what})")
+    for name, value in attributes.items():
+        changes.set_attribute(module, where, name, value)
 
 
 def unparallelize_linear(module: nn.Linear) -> None:
@@ -78,7 +98,7 @@ def _parallel_norm_class(cls: type) -> type:
 
 
 def parallelize_norms(
-    model: nn.Module, plan: Plan, group: ProcessGroup | None, tp_rank: int, tp: int
+    model: nn.Module, plan: Plan, group: ProcessGroup | None, tp_rank: int, tp: int, changes: ModelChanges | None = None
 ) -> dict[str, str]:
     """Switch every norm a `tp_rms_norm` rule names (with or without a weight) to the TP forward.
 
@@ -113,15 +133,14 @@ def parallelize_norms(
                     f"{name} has a weight of shape {list(weight.shape)}, not its slice [{full // tp}] at tp={tp}; "
                     "its weight must be split by the same tp_rms_norm rule in the checkpoint"
                 )
-            module.__class__ = _parallel_norm_class(type(module))
-            module.preshard_style, module.preshard_forward = rule.style, rule.style.parallel_forward()
-            module.preshard_full_width = full
-            module.tp_group, module.tp_rank, module.tp_size = group, tp_rank, tp
-            if hasattr(module, "normalized_shape"):
-                module.normalized_shape = (full // tp,)
-            else:
-                module.dim = torch.Size((full // tp,))
             described[name] = f"tp: {rule.style.name}: sum of squares all-reduced(sum) over tp group, width {full}"
+            local = {"normalized_shape": (full // tp,)} if hasattr(module, "normalized_shape") else {
+                "dim": torch.Size((full // tp,))
+            }  # fmt: skip
+            _switch(changes or ModelChanges(model), module, name, _parallel_norm_class(type(module)), described[name], {
+                "preshard_style": rule.style, "preshard_forward": rule.style.parallel_forward(),
+                "preshard_full_width": full, "tp_group": group, "tp_rank": tp_rank, "tp_size": tp, **local,
+            })  # fmt: skip
     return described
 
 
@@ -150,7 +169,9 @@ def _split_outputs_hook(name: str, specs: dict[int, SeqDim], tp_rank: int, tp: i
     return hook
 
 
-def split_outputs(model: nn.Module, plan: Plan, tp_rank: int, tp: int) -> dict[str, str]:
+def split_outputs(
+    model: nn.Module, plan: Plan, tp_rank: int, tp: int, changes: ModelChanges | None = None
+) -> dict[str, str]:
     """Each TP rank keeps its 1/tp slice of the outputs `plan.tp_split_outputs` names (per-head rotary tables
     computed whole by a replicated module, consumed by attention that holds this rank's heads only).
 
@@ -169,7 +190,8 @@ def split_outputs(model: nn.Module, plan: Plan, tp_rank: int, tp: int) -> dict[s
         if not hits:
             raise PlanError(f"tp_split_outputs entry {pattern!r} matches no module of {type(model).__name__}")
         for name in hits:
-            modules[name].register_forward_hook(_split_outputs_hook(name, specs, tp_rank, tp))
             dims = ", ".join(f"output {i} dim {spec.dim}" for i, spec in specs.items())
             described[name] = f"tp: keep this rank's slice of {dims}"
+            handle = modules[name].register_forward_hook(_split_outputs_hook(name, specs, tp_rank, tp))
+            (changes or ModelChanges(model)).hook(name, described[name], handle)
     return described

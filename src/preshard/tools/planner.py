@@ -1,5 +1,5 @@
-"""Which meshes fit, and what a conversion will cost, from safetensors headers alone (`preshard plan`,
-`convert-checkpoint --dry-run`).
+"""Which meshes fit, and what a conversion will cost, from safetensors headers alone (`preshard plan`; the dry runs
+that use these figures sit beside their tools: `tools/dry_run.py`, `tools/reshard.py`, `tools/unshard.py`).
 
 Why: before converting 66 GB a user wants to know which TP x CP meshes fit their devices (the seed's trn2 run found
 out by running out of memory: TP=2 needs about 31 GiB per rank, and a 24 GiB core does not have it) and how long
@@ -17,21 +17,18 @@ compiler's workspace (Neuron, XLA) come on top.
 from __future__ import annotations
 
 import math
-import shutil
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from preshard.errors import OutputError, PlanError, UsageError
+from preshard.errors import PlanError, UsageError
 from preshard.format.dtypes import DType, dtype_name, parse_cast
 from preshard.format.layout import FileLayout, TensorLayout, place_records
-from preshard.format.mesh import MeshSpec
 from preshard.format.plan import Plan, resolve_plan, valid_tp_degrees
 from preshard.plans.model_class import check_cp_plan
 from preshard.plans.registry import choose_plan
 from preshard.sources import CheckpointSource, HeaderSource, open_source_headers
-from preshard.tools.estimate import Estimate, Probe, Work, estimate, input_cached, probe, timed_check
-from preshard.units import human_bytes, plural
+from preshard.units import human_bytes
 
 GIB = 1 << 30
 # The recommended mesh leaves at least this share of each device's memory to what comes on top of the weights.
@@ -118,7 +115,8 @@ def rank_bytes(layouts: dict[str, TensorLayout], order: list[str], tp: int) -> R
     return RankBytes(tp, own, replicated, max(reads), tuple(files.file_sizes))
 
 
-def _source_label(src: CheckpointSource | HeaderSource) -> str:
+def source_label(src: CheckpointSource | HeaderSource) -> str:
+    """The source as a report names it: its path, or the Hub repo (and subfolder, revision)."""
     hub = src.hub
     if hub is not None:
         where = hub.repo_id + (f"/{hub.subfolder}" if hub.subfolder else "")
@@ -218,7 +216,7 @@ def plan_meshes(
         meshes = [replace(m, recommended=True) if m == recommended else m for m in meshes]
         recommended = replace(recommended, recommended=True)
     return PlanReport(
-        source=_source_label(src),
+        source=source_label(src),
         plan=chosen.name,
         tensors=len(shapes),
         stored_bytes=sum(layout.nbytes for layout in whole.values()),
@@ -369,347 +367,4 @@ def plan_table(report: PlanReport) -> str:
         "weights/rank: parameters and persistent buffers as stored, replicated tensors on every rank. Activations, "
         "attention and communication buffers and the compiler's workspace come on top."
     )
-    return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# convert-checkpoint --dry-run
-
-
-@dataclass
-class DryRun:
-    """What a conversion would do, decided and measured without writing it."""
-
-    source: str
-    hub: bool
-    plan: str
-    mesh: MeshSpec
-    dtype: str | None
-    tensors: int
-    source_bytes: int  # tensor bytes of the source
-    per_rank: RankBytes
-    output: Path
-    needed_bytes: int  # data files + config.json + allowance for manifest and .metadata
-    free_bytes: int
-    space_error: str | None
-    estimate: Estimate | None
-    notes: list[str] = field(default_factory=list)
-    loras: list[dict[str, Any]] = field(default_factory=list)  # --lora: one entry per LoRA (`LoraSet.summary`)
-
-
-def dry_run(
-    source: str | Path,
-    output: str | Path,
-    *,
-    mesh: MeshSpec,
-    plan: str | Path | Plan | None = None,
-    dtype: str | DType | Any | None = None,
-    subfolder: str | None = None,
-    revision: str | None = None,
-    token: str | bool | None = None,
-    overwrite: bool = False,
-    probe: bool = True,
-    loras: Any = None,
-    start_seconds: float = 0.0,
-) -> DryRun:
-    """Everything a conversion decides before writing, the space it needs and a time estimate; writes nothing.
-
-    A Hub source is read by its headers (no weights downloaded); the estimate then excludes the download.
-    `start_seconds`: what the conversion's own process pays before planning (the CLI passes its own age).
-
-    Raises:
-        SourceError, PlanError, UsageError: as the conversion would. OutputError: an output the conversion would
-            refuse (exists without `overwrite`, overlaps the source, parent missing). Too little free space is
-            not raised: it is in `space_error`, so the report can still be shown.
-    """
-    from preshard.converter.convert import plan_conversion, space_needed
-    from preshard.converter.workdir import check_output
-
-    src = open_source_headers(source, subfolder=subfolder, revision=revision, token=token)
-    job, check_s = timed_check(plan_conversion, src, mesh=mesh, plan=plan, dtype=dtype, loras=loras, token=token)
-    output = Path(output)
-    check_output(output, job.source.input_paths(), overwrite)
-    per_rank = rank_bytes(job.layouts, job.write_order, mesh.tp)
-    needed = space_needed(job)
-    free, space_error = _space(output, needed)
-    hub = isinstance(src, HeaderSource)
-    source_bytes = sum(layout.shape_bytes(source=True) for layout in job.layouts.values())
-    notes = []
-    measured = None
-    if probe:
-        paths = [] if hub else [h.path for h in src.files]
-        work = Work.conversion(source_bytes, input_cached(paths), job.output_bytes)
-        rates = _probe(paths, output, space_error)
-        measured = estimate(work, rates, start_seconds=start_seconds, check_seconds=check_s)
-    if hub:
-        from huggingface_hub import constants
-
-        cache = Path(constants.HF_HUB_CACHE)
-        cache_free = shutil.disk_usage(_existing(cache)).free
-        notes.append(
-            f"the source is downloaded first: {human_bytes(source_bytes)} into the HF cache {cache} "
-            f"({human_bytes(cache_free)} free), not counted in the estimate"
-        )
-    return DryRun(
-        source=_source_label(src),
-        hub=hub,
-        plan=job.plan.name,
-        mesh=mesh,
-        dtype=dtype_name(job.cast) if job.cast is not None else None,
-        tensors=len(job.layouts),
-        source_bytes=source_bytes,
-        per_rank=per_rank,
-        output=output,
-        needed_bytes=needed,
-        free_bytes=free,
-        space_error=space_error,
-        estimate=measured,
-        notes=notes,
-        loras=job.source.loras.summary() if hasattr(job.source, "loras") else [],
-    )
-
-
-def _space(output: Path, needed: int) -> tuple[int, str | None]:
-    from preshard.converter.workdir import check_space, partial_dir
-
-    free = shutil.disk_usage(_existing(output.parent)).free  # a missing parent is made when writing begins
-    try:
-        check_space(output, partial_dir(output), needed)
-    except OutputError as exc:
-        return free, str(exc)
-    return free, None
-
-
-def _probe(inputs: list[Path], output: Path, space_error: str | None) -> Probe:
-    """The rates, probing the largest input file; the write probe is skipped on a file system without the space."""
-    largest = max(inputs, key=lambda p: p.stat().st_size) if inputs else None
-    return probe(largest, None if space_error else _existing(output.parent))
-
-
-def _existing(path: Path) -> Path:
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
-def _output_fields(run: DryRun | WriteDryRun) -> dict[str, Any]:
-    """What every dry run says of its output: disk space, the time estimate, notes."""
-    return {
-        "needed_bytes": run.needed_bytes,
-        "free_bytes": run.free_bytes,
-        "fits_disk": run.space_error is None,
-        "space_error": run.space_error,
-        "estimate_seconds": None if run.estimate is None else round(run.estimate.seconds, 3),
-        "estimate": None if run.estimate is None else run.estimate.to_dict(),
-        "notes": list(run.notes),
-    }
-
-
-def dry_run_json(run: DryRun) -> dict[str, Any]:
-    """What `convert-checkpoint --dry-run --json` prints: the same figures as the text, in bytes and seconds."""
-    r = run.per_rank
-    return {
-        "command": "convert",
-        "status": "dry run",
-        "source": run.source,
-        "hub": run.hub,
-        "plan": run.plan,
-        "dtype": run.dtype,
-        "mesh": run.mesh.to_dict(),
-        "world_size": run.mesh.world_size,
-        "tensors": run.tensors,
-        "source_bytes": run.source_bytes,
-        "weight_bytes_per_rank": r.weights,
-        "own_bytes_per_rank": r.own,
-        "replicated_bytes_per_rank": r.replicated,
-        "read_bytes_per_rank": r.read,
-        "data_file_bytes": list(r.file_sizes),
-        "output": str(run.output),
-        **_output_fields(run),
-        "loras": [dict(lora) for lora in run.loras],
-    }
-
-
-def dry_run_text(run: DryRun) -> str:
-    """The human view of a dry run."""
-    r, mesh = run.per_rank, run.mesh
-    lines = [
-        "dry run: nothing was written",
-        f"source:    {run.source}, {plural(run.tensors, 'tensor')}, {human_bytes(run.source_bytes)}"
-        + (" (headers only; nothing downloaded)" if run.hub else ""),
-        f"plan:      {run.plan}" + (f", cast to {run.dtype}" if run.dtype else ""),
-        f"mesh:      {mesh.describe()}, world size {mesh.world_size}",
-        f"per rank:  {human_bytes(r.weights)} of weights ({human_bytes(r.own)} own slices + "
-        f"{human_bytes(r.replicated)} replicated); reads {human_bytes(r.read)} at load",
-        f"output:    {plural(mesh.tp, 'data file')}, {human_bytes(r.disk)} "
-        f"(largest {human_bytes(max(r.file_sizes))}) + manifest.json, .metadata, config.json",
-        _space_line(run.needed_bytes, run.output, run.free_bytes, run.space_error),
-        _time_line(run.estimate, run.hub),
-    ]
-    lines[3:3] = [
-        f"lora:      {lora['path']} x {lora['scale']:g}, fused into {lora['modules']} Linear layers (rank "
-        f"{'/'.join(map(str, lora['ranks']))}, {human_bytes(lora['bytes'])}), read by {lora['loader']}"
-        + (" (keys converted)" if lora["converted"] else "")
-        for lora in run.loras
-    ]
-    lines += [f"note:      {note}" for note in run.notes]
-    return "\n".join(lines)
-
-
-def _space_line(needed: int, output: Path, free: int, error: str | None) -> str:
-    return (
-        f"space:     needs {human_bytes(needed)} on the file system of {_existing(output.parent)}, {human_bytes(free)} "
-        "free -> " + ("NOT ENOUGH" if error else "ok")
-    )
-
-
-def _time_line(measured: Estimate | None, hub: bool = False) -> str:
-    if measured is None:
-        return "time:      not estimated"
-    return f"time:      {measured.describe()}" + ("; the download comes on top" if hub else "")
-
-
-# ---------------------------------------------------------------------------------------------------------
-# reshard --dry-run, unshard --dry-run
-
-
-@dataclass
-class WriteDryRun:
-    """What a reshard or unshard would write, decided and measured without writing it."""
-
-    command: str  # "reshard" | "unshard"
-    input: str
-    output: Path
-    mesh: MeshSpec | None  # reshard: the new mesh
-    files: list[tuple[str, int]]  # every file it writes (name, exact size); links are not listed
-    linked: bool  # reshard with the same TP degree: the data files are hard-linked, not written
-    needed_bytes: int
-    free_bytes: int
-    space_error: str | None
-    estimate: Estimate | None
-    notes: list[str] = field(default_factory=list)
-
-
-def reshard_dry_run(
-    checkpoint: str | Path,
-    output: str | Path,
-    *,
-    tp: int | None = None,
-    cp: int | None = None,
-    ring: int | None = None,
-    ulysses: int | None = None,
-    order: str | tuple[str, ...] | None = None,
-    subfolder: str | None = None,
-    revision: str | None = None,
-    token: str | bool | None = None,
-    overwrite: bool = False,
-    start_seconds: float = 0.0,
-) -> WriteDryRun:
-    """What `reshard_checkpoint` would do: the new mesh checked against the plan (the degrees that work are named
-    otherwise), the output checked, the files it writes, the space and a time estimate; nothing is written.
-
-    Raises:
-        As `reshard_checkpoint`, before writing (too little space is in `space_error`).
-    """
-    from preshard.converter.convert import plan_conversion, resolve_mesh, space_needed
-    from preshard.converter.workdir import check_output
-    from preshard.sources.presharded import open_presharded
-
-    source = open_presharded(checkpoint, subfolder=subfolder, revision=revision, token=token)
-    manifest = source.manifest
-    mesh = resolve_mesh(None, tp, cp, ring, ulysses, order, default=manifest.mesh)
-    output = Path(output)
-    inputs = [source.folder / f.name for f in manifest.files]
-    input_bytes = sum(f.size for f in manifest.files)
-    if mesh.tp == manifest.tp:
-        if manifest.mesh.cp == 1:
-            check_cp_plan(manifest.plan, source.config, mesh.cp)
-        check_output(output, source.input_paths(), overwrite)
-        needed = 1 << 20  # a manifest; the data files are linked (copied where the file system cannot link)
-        free, space_error = _space(output, needed)
-        measured = estimate(Work(0, 0, 0, 0, 0), probe(None, None), start_seconds=start_seconds)
-        notes = [f"the same TP degree: the data files ({human_bytes(input_bytes)}) are hard-linked, not written"]
-        return WriteDryRun(
-            "reshard", str(checkpoint), output, mesh, [], True, needed, free, space_error, measured, notes
-        )
-    job, check_s = timed_check(plan_conversion, source, mesh=mesh, plan=manifest.plan, dtype=manifest.dtype)
-    check_output(output, source.input_paths(), overwrite)
-    needed = space_needed(job)
-    free, space_error = _space(output, needed)
-    files = [(name, size) for name, size in zip(_file_names(mesh.tp), job.files.file_sizes)]
-    work = Work.conversion(input_bytes, input_cached(inputs), job.output_bytes)
-    measured = estimate(work, _probe(inputs, output, space_error), start_seconds=start_seconds, check_seconds=check_s)
-    return WriteDryRun("reshard", str(checkpoint), output, mesh, files, False, needed, free, space_error, measured)
-
-
-def unshard_dry_run(
-    checkpoint: str | Path,
-    output: str | Path,
-    *,
-    subfolder: str | None = None,
-    revision: str | None = None,
-    token: str | bool | None = None,
-    overwrite: bool = False,
-    start_seconds: float = 0.0,
-) -> WriteDryRun:
-    """What `unshard_checkpoint` would write (the source's files, exact sizes), the space and a time estimate.
-
-    Raises:
-        As `unshard_checkpoint`, before writing (a lossy cast is refused; too little space is in `space_error`).
-    """
-    from preshard.converter.workdir import SAFETENSORS_FOLDER, check_output
-    from preshard.sources.presharded import open_presharded
-    from preshard.tools.unshard import refuse_fused_loras, refuse_lossy_cast, small_files
-
-    source = open_presharded(checkpoint, subfolder=subfolder, revision=revision, token=token)
-    refuse_lossy_cast(source)
-    refuse_fused_loras(source)
-    manifest = source.manifest
-    extra = [(name, len(data)) for name, data in small_files(source, source.source_headers()).items()]
-    output = Path(output)
-    check_output(output, source.input_paths(), overwrite, kind=SAFETENSORS_FOLDER)
-    files = [(f.name, f.size) for f in manifest.source.files]
-    out_bytes = sum(size for _, size in files)
-    needed = out_bytes + sum(size for _, size in extra) + (1 << 20)
-    free, space_error = _space(output, needed)
-    inputs = [source.folder / f.name for f in manifest.files]
-    work = Work.unshard(sum(f.size for f in manifest.files), input_cached(inputs), out_bytes)
-    measured = estimate(work, _probe(inputs, output, space_error), start_seconds=start_seconds)
-    return WriteDryRun(
-        "unshard", str(checkpoint), output, None, files + extra, False, needed, free, space_error, measured
-    )
-
-
-def _file_names(tp: int) -> list[str]:
-    from preshard.format.layout import data_file_name
-
-    return [data_file_name(r) for r in range(tp)]
-
-
-def write_dry_run_json(run: WriteDryRun) -> dict[str, Any]:
-    """What `reshard/unshard --dry-run --json` prints."""
-    return {
-        "command": run.command,
-        "status": "dry run",
-        "input": run.input,
-        "output": str(run.output),
-        "mesh": None if run.mesh is None else run.mesh.to_dict() | {"world_size": run.mesh.world_size},
-        "linked": run.linked,
-        "files": [{"name": n, "size": s} for n, s in run.files],
-        "output_bytes": sum(s for _, s in run.files),
-        **_output_fields(run),
-    }
-
-
-def write_dry_run_text(run: WriteDryRun) -> str:
-    written = sum(s for _, s in run.files)
-    lines = [f"dry run: nothing was written ({run.command} {run.input} -> {run.output})"]
-    if run.mesh is not None:
-        lines.append(f"mesh:      {run.mesh.describe()}, world size {run.mesh.world_size}")
-    lines.append(
-        f"output:    {plural(len(run.files), 'file')}, {human_bytes(written)}"
-        + (" + manifest.json (the data files linked)" if run.linked else "")
-    )
-    lines += [_space_line(run.needed_bytes, run.output, run.free_bytes, run.space_error), _time_line(run.estimate)]
-    lines += [f"note:      {note}" for note in run.notes]
     return "\n".join(lines)

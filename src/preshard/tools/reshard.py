@@ -25,11 +25,12 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
-from preshard.converter.convert import plan_conversion, resolve_mesh, write_conversion
+from preshard.converter.convert import plan_conversion, resolve_mesh, space_needed, write_conversion
 from preshard.converter.parallel import run_workers
-from preshard.converter.workdir import commit, fresh_workdir
+from preshard.converter.workdir import check_output, commit, fresh_workdir
 from preshard.errors import CorruptCheckpointError, OutputError, UsageError
 from preshard.format.dcp_metadata import write_dcp_metadata
 from preshard.format.jsonio import fsync_file, write_json_atomic
@@ -37,6 +38,8 @@ from preshard.format.manifest import DCP_METADATA_NAME, MANIFEST_NAME, FileRecor
 from preshard.format.mesh import MeshSpec
 from preshard.plans.model_class import check_cp_plan
 from preshard.sources.presharded import PreshardedSource, open_presharded
+from preshard.tools.dry_run import WriteDryRun, disk_space, file_names, probe_rates
+from preshard.tools.estimate import Work, estimate, input_cached, probe, timed_check
 from preshard.units import human_bytes
 
 # errno values for which a hard link cannot be made here and the file is copied instead
@@ -60,6 +63,7 @@ def reshard_checkpoint(
     wait: bool = False,
     progress: bool | None = None,
     workers: int = 1,
+    on_tensor: Callable[[str], None] | None = None,
 ) -> Manifest:
     """Write `input` (a converted checkpoint) resharded for another mesh into `output`; the source is not needed.
 
@@ -74,6 +78,7 @@ def reshard_checkpoint(
         progress: show progress (default: when stderr is a terminal).
         workers: local processes writing the new data files (at most the new TP degree), as for
             `convert_checkpoint`; the output is the same byte for byte. A CP-only change writes no data: ignored.
+        on_tensor: as `convert_checkpoint`'s (not called for a CP-only change, which writes no data).
 
     Returns:
         The manifest written to `output/manifest.json` (with `derived_from` naming `input`).
@@ -102,9 +107,60 @@ def reshard_checkpoint(
     job = plan_conversion(source, mesh=new_mesh, plan=source.manifest.plan, dtype=source.manifest.dtype)
     if workers > 1:
         return run_workers(
-            write_conversion, job, output, workers=workers, overwrite=overwrite, wait=wait, progress=progress
+            write_conversion, job, output, workers=workers, overwrite=overwrite, wait=wait, progress=progress,
+            on_tensor=on_tensor,
+        )  # fmt: skip
+    return write_conversion(job, output, overwrite=overwrite, wait=wait, progress=progress, on_tensor=on_tensor)
+
+
+def reshard_dry_run(
+    checkpoint: str | Path,
+    output: str | Path,
+    *,
+    tp: int | None = None,
+    cp: int | None = None,
+    ring: int | None = None,
+    ulysses: int | None = None,
+    order: str | tuple[str, ...] | None = None,
+    subfolder: str | None = None,
+    revision: str | None = None,
+    token: str | bool | None = None,
+    overwrite: bool = False,
+    start_seconds: float = 0.0,
+) -> WriteDryRun:
+    """What `reshard_checkpoint` would do: the new mesh checked against the plan (the degrees that work are named
+    otherwise), the output checked, the files it writes, the space and a time estimate; nothing is written.
+
+    Raises:
+        As `reshard_checkpoint`, before writing (too little space is in `space_error`).
+    """
+    source = open_presharded(checkpoint, subfolder=subfolder, revision=revision, token=token)
+    manifest = source.manifest
+    mesh = resolve_mesh(None, tp, cp, ring, ulysses, order, default=manifest.mesh)
+    output = Path(output)
+    inputs = [source.folder / f.name for f in manifest.files]
+    input_bytes = sum(f.size for f in manifest.files)
+    if mesh.tp == manifest.tp:
+        if manifest.mesh.cp == 1:
+            check_cp_plan(manifest.plan, source.config, mesh.cp)
+        check_output(output, source.input_paths(), overwrite)
+        needed = 1 << 20  # a manifest; the data files are linked (copied where the file system cannot link)
+        free, space_error = disk_space(output, needed)
+        measured = estimate(Work(0, 0, 0, 0, 0), probe(None, None), start_seconds=start_seconds)
+        notes = [f"the same TP degree: the data files ({human_bytes(input_bytes)}) are hard-linked, not written"]
+        return WriteDryRun(
+            "reshard", str(checkpoint), output, mesh, [], True, needed, free, space_error, measured, notes
         )
-    return write_conversion(job, output, overwrite=overwrite, wait=wait, progress=progress)
+    job, check_s = timed_check(plan_conversion, source, mesh=mesh, plan=manifest.plan, dtype=manifest.dtype)
+    check_output(output, source.input_paths(), overwrite)
+    needed = space_needed(job)
+    free, space_error = disk_space(output, needed)
+    files = [(name, size) for name, size in zip(file_names(mesh.tp), job.files.file_sizes)]
+    work = Work.conversion(input_bytes, input_cached(inputs), job.output_bytes)
+    measured = estimate(
+        work, probe_rates(inputs, output, space_error), start_seconds=start_seconds, check_seconds=check_s
+    )
+    return WriteDryRun("reshard", str(checkpoint), output, mesh, files, False, needed, free, space_error, measured)
 
 
 def _relink(source: PreshardedSource, output: Path, mesh: MeshSpec, *, overwrite: bool, wait: bool) -> Manifest:
@@ -184,4 +240,4 @@ def _check_free(output: Path, needed: int) -> None:
         )
 
 
-__all__ = ["reshard_checkpoint"]
+__all__ = ["reshard_checkpoint", "reshard_dry_run"]

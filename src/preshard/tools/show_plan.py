@@ -7,12 +7,12 @@ written in the plan-file format `--plan FILE` reads, so a user can read what wil
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 from preshard.errors import OutputPermissionError
 from preshard.format.plan import Plan
+from preshard.format.publish import publish_text
 from preshard.plans.registry import choose_plan
 from preshard.sources import open_source_headers
 
@@ -48,10 +48,8 @@ def write_plan_file(chosen: Plan, path: str | Path) -> Path:
     lines = [f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in data.items() if k != "linear"]
     rules = ",\n".join(f"    {json.dumps(rule)}" for rule in data["linear"])
     text = "{\n" + ",\n".join([*lines[:4], f'  "linear": [\n{rules}\n  ]', *lines[4:]]) + "\n}\n"
-    partial = out.with_name(f".{out.name}.partial")
     try:
-        partial.write_text(text)
-        os.replace(partial, out)
+        publish_text(out, text)
     except PermissionError:
         raise OutputPermissionError(f"cannot write the plan file {out}: permission denied; pick another path") from None
     return out

@@ -34,14 +34,16 @@ from pathlib import Path
 
 import numpy as np
 
-from preshard.converter.workdir import SAFETENSORS_FOLDER, check_space, commit, fresh_workdir
+from preshard.converter.workdir import SAFETENSORS_FOLDER, check_output, check_space, commit, fresh_workdir
 from preshard.converter.writer import RecordFileWriter, stage_bytes
 from preshard.errors import CorruptCheckpointError, UsageError
 from preshard.format.dtypes import cast_is_lossless, dtype_name
-from preshard.format.jsonio import fsync_dir
+from preshard.format.publish import fsync_dir
 from preshard.progress import Progress
 from preshard.sources.presharded import PreshardedRows, PreshardedSource, open_presharded
 from preshard.sources.safetensors_file import SafetensorsHeader
+from preshard.tools.dry_run import WriteDryRun, disk_space, probe_rates
+from preshard.tools.estimate import Work, estimate, input_cached
 from preshard.units import plural
 
 FILE_THREADS = 4  # files rebuilt at once
@@ -311,4 +313,38 @@ def _write_bytes(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-__all__ = ["unshard_checkpoint"]
+def unshard_dry_run(
+    checkpoint: str | Path,
+    output: str | Path,
+    *,
+    subfolder: str | None = None,
+    revision: str | None = None,
+    token: str | bool | None = None,
+    overwrite: bool = False,
+    start_seconds: float = 0.0,
+) -> WriteDryRun:
+    """What `unshard_checkpoint` would write (the source's files, exact sizes), the space and a time estimate.
+
+    Raises:
+        As `unshard_checkpoint`, before writing (a lossy cast is refused; too little space is in `space_error`).
+    """
+    source = open_presharded(checkpoint, subfolder=subfolder, revision=revision, token=token)
+    refuse_lossy_cast(source)
+    refuse_fused_loras(source)
+    manifest = source.manifest
+    extra = [(name, len(data)) for name, data in small_files(source, source.source_headers()).items()]
+    output = Path(output)
+    check_output(output, source.input_paths(), overwrite, kind=SAFETENSORS_FOLDER)
+    files = [(f.name, f.size) for f in manifest.source.files]
+    out_bytes = sum(size for _, size in files)
+    needed = out_bytes + sum(size for _, size in extra) + (1 << 20)
+    free, space_error = disk_space(output, needed)
+    inputs = [source.folder / f.name for f in manifest.files]
+    work = Work.unshard(sum(f.size for f in manifest.files), input_cached(inputs), out_bytes)
+    measured = estimate(work, probe_rates(inputs, output, space_error), start_seconds=start_seconds)
+    return WriteDryRun(
+        "unshard", str(checkpoint), output, None, files + extra, False, needed, free, space_error, measured
+    )
+
+
+__all__ = ["unshard_checkpoint", "unshard_dry_run"]
