@@ -221,9 +221,8 @@ def test_an_interrupted_conversion_leaves_no_output_and_resumes(sources, tmp_pat
         if len(written) == 10:
             raise RuntimeError("simulated crash")
 
-    monkeypatch.setattr(convert, "_after_tensor_hook", crash)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        convert_pipeline(sources["wan"], out, tp=2, progress=False)
+        convert_pipeline(sources["wan"], out, tp=2, progress=False, on_tensor=crash)
     assert not out.exists() and partial_dir(out).is_dir()  # nothing half-written at OUT
     from preshard.converter import pipeline_folder
 
@@ -231,9 +230,8 @@ def test_an_interrupted_conversion_leaves_no_output_and_resumes(sources, tmp_pat
     real_copy = pipeline_folder._copy_tree
     monkeypatch.setattr(pipeline_folder, "_copy_tree", lambda a, b: (copies.append(b.name), real_copy(a, b)))
     written.clear()
-    monkeypatch.setattr(convert, "_after_tensor_hook", written.append)
     outcomes: dict = {}
-    convert_pipeline(sources["wan"], out, tp=2, progress=False, outcomes=outcomes)
+    convert_pipeline(sources["wan"], out, tp=2, progress=False, outcomes=outcomes, on_tensor=written.append)
     from preshard.format.manifest import read_manifest
 
     total = len(read_manifest(out / "transformer").tensors)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -307,6 +307,7 @@ def convert_pipeline(
     workers: int = 1,
     outcomes: dict[str, ConversionOutcome] | None = None,
     keep_layers: Iterable[str] | dict[str, int | None] | None = None,
+    on_tensor: Callable[[str], None] | None = None,
 ) -> PipelineRecord:
     """Convert a diffusers pipeline folder into OUT: sharded components converted, the rest copied.
 
@@ -325,6 +326,7 @@ def convert_pipeline(
         keep_layers: `{name: K}` or strings `NAME:K` keep a whole text encoder's first K decoder layers and leave out
             the rest and its head (`converter/left_out.py`); `NAME:all` (None) leaves nothing out. Default: where the
             pipeline documents the hidden state it reads (MiniMax-H3: hidden_states[50], so 51 layers of 64).
+        on_tensor: as `convert_checkpoint`, for each sharded component's tensors.
 
     Returns:
         The pipeline record written to `output/preshard_pipeline.json`.
@@ -383,6 +385,7 @@ def convert_pipeline(
                 src, target, mesh=component_mesh, subfolder=p.record.name, plan=plan, dtype=dtype,
                 progress=progress, workers=min(workers, component_mesh.tp),
                 outcome=outcomes.setdefault(p.record.name, ConversionOutcome()) if outcomes is not None else None,
+                on_tensor=on_tensor,
             )  # fmt: skip
         for extra in sorted(src.iterdir()):  # the index, README, LICENSE: top-level files as they are
             if extra.is_file() and extra.name not in (index.file_name, PIPELINE_RECORD_NAME):
