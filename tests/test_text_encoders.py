@@ -24,6 +24,8 @@ TEXT = dict(
     vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
 )  # fmt: skip
+VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32)
+MROPE = {"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0}
 T5 = dict(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
 
 
@@ -39,10 +41,32 @@ def _configs() -> dict:
         "gemma3_text": (tf.Gemma3TextModel, tf.Gemma3TextConfig(**TEXT, sliding_window=4)),  # LTX-2
         "t5": (tf.T5EncoderModel, tf.T5Config(**T5, feed_forward_proj="gated-gelu")),  # Flux, SD3 (v1.1: gated)
         "umt5": (tf.UMT5EncoderModel, tf.UMT5Config(**T5, feed_forward_proj="gated-gelu")),  # Wan
+        # Whole vision-language models, as the pipelines hold them: the vision tower stays whole, the stored names
+        # (`model.layers.*`, `visual.*`) are renamed as transformers loads them (`model.language_model.layers.*`).
+        "qwen25vl": (  # QwenImage, HunyuanVideo 1.5
+            tf.Qwen2_5_VLForConditionalGeneration,
+            tf.Qwen2_5_VLConfig(
+                text_config=dict(TEXT, rope_parameters=MROPE), vision_config=dict(VISION, fullatt_block_indexes=[0])
+            ),
+        ),
+        "qwen3vl": (  # MiniMax-H3's conditioner
+            tf.Qwen3VLForConditionalGeneration,
+            tf.Qwen3VLConfig(
+                text_config=dict(TEXT, rope_parameters=dict(MROPE, mrope_interleaved=True)),
+                vision_config=dict(VISION, deepstack_visual_indexes=[0], num_position_embeddings=16),
+            ),
+        ),
     }
 
 
-NAMES = ["llama", "mistral", "qwen3", "qwen3vl_text", "gemma3_text", "t5", "umt5"]
+NAMES = ["llama", "mistral", "qwen3", "qwen3vl_text", "gemma3_text", "t5", "umt5", "qwen25vl", "qwen3vl"]
+
+
+def hidden(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The last hidden state (a vision-language model's: its last entry of `hidden_states`)."""
+    out = model(input_ids=ids, output_hidden_states=True)
+    last = getattr(out, "last_hidden_state", None)
+    return last if last is not None else out.hidden_states[-1]
 
 
 def build(name: str, seed: int = 0):
@@ -82,7 +106,9 @@ def _strip_tp(net: torch.nn.Module) -> None:
     for module in net.modules():
         if isinstance(module, ParallelLinear):
             unparallelize_linear(module)
-        module._forward_hooks.clear()
+        for key, hook in list(module._forward_hooks.items()):  # preshard's only: transformers records outputs by hooks
+            if getattr(hook, "__module__", "").startswith("preshard."):
+                del module._forward_hooks[key]
 
 
 def _rank(rank: int, world: int, checkpoints: dict[str, str], names: list[str]) -> dict:
@@ -93,12 +119,12 @@ def _rank(rank: int, world: int, checkpoints: dict[str, str], names: list[str]) 
     for name in names:
         model, ids = build(name.removesuffix("-tp4"))
         with torch.no_grad():
-            reference = model(input_ids=ids).last_hidden_state
+            reference = hidden(model, ids)
             net = load_sharded(type(model), checkpoints[name])
-            out = net(input_ids=ids).last_hidden_state
+            out = hidden(net, ids)
             _strip_tp(net)
             try:
-                bare = (net(input_ids=ids).last_hidden_state - reference).abs().max().item()
+                bare = (hidden(net, ids) - reference).abs().max().item()
             except RuntimeError:  # shapes that no longer fit are as good a sign
                 bare = float("inf")
         report = net.preshard_report
@@ -138,6 +164,11 @@ def test_the_plan_is_inferred_by_block_kind(checkpoints):
     bias = "encoder.block.*.layer.*.SelfAttention.relative_attention_bias"
     assert list(t5.plan.tp_split_outputs) == [bias]
     assert [r.divide for r in t5.plan.attention] == [("n_heads", "inner_dim")]
+    vl = read_manifest(checkpoints["qwen3vl"])  # renamed as transformers loads it; the vision tower whole
+    assert vl.tensors["model.language_model.layers.0.self_attn.q_proj.weight"].layout.style.name == "colwise"
+    assert "model.layers.0.self_attn.q_proj.weight" not in vl.tensors
+    visual = [r.layout.style.name for n, r in vl.tensors.items() if n.startswith("model.visual.")]
+    assert visual and set(visual) == {"replicate"}
     tp4 = read_manifest(checkpoints["qwen3vl_text-tp4"])  # 2 KV heads at tp4: whole, one head per rank
     assert tp4.tensors["layers.0.self_attn.k_proj.weight"].layout.style.name == "kv_head_select"
     assert tp4.tensors["layers.0.self_attn.q_proj.weight"].layout.style.name == "colwise"

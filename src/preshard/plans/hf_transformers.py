@@ -283,3 +283,35 @@ def build_transformers(cls: type, config: dict[str, Any]) -> nn.Module:
         return cls(hf_config)
     except Exception as exc:  # a config the class rejects fails in arbitrary ways
         raise PlanError(f"cannot build {cls.__name__} from the checkpoint's config.json: {exc}") from None
+
+
+def checkpoint_renames(config: dict[str, Any], names: list[str]) -> dict[str, str]:
+    """Checkpoint tensor name -> the module path it loads into, for the names that differ: transformers renames
+    keys on load (Qwen2.5-VL's and Qwen3-VL's `model.layers.*` -> `model.language_model.layers.*`, LLaVA's
+    `language_model.*`, a base-model prefix added or dropped), with its own mapping
+    (`get_model_conversion_mapping`) applied to the model built on the meta device.
+
+    Raises:
+        PlanError: a tensor transformers converts rather than renames (fused or split on load, as MoE experts
+            are), which preshard cannot shard as stored; naming it.
+    """
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    model = build_transformers_on_meta(config)
+    transforms = get_model_conversion_mapping(model)  # type: ignore[arg-type]  # a PreTrainedModel
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    expected = model.state_dict()
+    prefix = getattr(model, "base_model_prefix", None) or None
+    renames: dict[str, str] = {}
+    for name in names:
+        target, converted = rename_source_key(name, renamings, converters, prefix, expected)
+        if converted is not None:
+            raise PlanError(
+                f"{name}: transformers converts this tensor on load ({converted}), rather than loading it as stored, "
+                f"so preshard cannot shard {type(model).__name__} as stored; convert it with transformers first"
+            )
+        if target != name:
+            renames[name] = target
+    return renames
