@@ -220,3 +220,14 @@ def test_a_context_parallel_mesh_is_refused_for_a_text_encoder(tmp_path):
     with pytest.raises(PlanError, match="tensor parallel only, not context parallel"):
         convert_checkpoint(tmp_path / "src", tmp_path / "out", tp=2, cp=2, progress=False)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.quick
+def test_the_planner_reads_a_renamed_checkpoint_and_lists_the_degrees_the_heads_allow(tmp_path):
+    from preshard.tools.planner import plan_meshes
+
+    model, _ = build("qwen25vl")
+    model.save_pretrained(tmp_path / "src")
+    assert "model.layers.0.self_attn.q_proj.weight" in load_file(tmp_path / "src" / "model.safetensors")
+    report = plan_meshes(tmp_path / "src")
+    assert report.tp_degrees == [1, 2, 4]  # 4 query heads over 2 KV heads: tp4 computes one KV head per rank

@@ -315,3 +315,16 @@ def checkpoint_renames(config: dict[str, Any], names: list[str]) -> dict[str, st
         if target != name:
             renames[name] = target
     return renames
+
+
+def workable_degrees(config: dict[str, Any], candidates: list[int]) -> list[int]:
+    """The TP degrees among `candidates` the inference places every block at (one meta build for all)."""
+    model = build_transformers_on_meta(config)
+    works = []
+    for tp in candidates:
+        try:
+            infer(model, tp)
+        except PlanError:
+            continue
+        works.append(tp)
+    return works
