@@ -201,9 +201,12 @@ def _folded_rules(styles: dict[str, Style], modules: list[str]) -> list[str]:
     return list(patterns)
 
 
-def _agreement(cls: type, styles: dict[str, Style]) -> str:
-    """How transformers' `base_model_tp_plan` compares with the inferred styles, for the plan's description."""
-    declared = getattr(getattr(cls, "config_class", None), "base_model_tp_plan", None) or {}
+def _agreement(model: nn.Module, styles: dict[str, Style]) -> str:
+    """How transformers' `base_model_tp_plan` (the model's own, else its text model's) compares with the inferred
+    styles, for the plan's description."""
+    config: Any = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else None
+    declared = getattr(config, "base_model_tp_plan", None) or getattr(text, "base_model_tp_plan", None) or {}
     linear = {k: v for k, v in declared.items() if v in ("colwise", "rowwise")}
     if not linear:
         return "transformers declares no base_model_tp_plan for its Linear layers"
@@ -242,7 +245,7 @@ def plan_for_transformers(config: dict[str, Any], tp: int = 1) -> Plan:
         linear=tuple(linear),
         attention=tuple(attention),
         model_classes=(cls.__name__,),
-        description=f"inferred from {cls.__name__}'s modules at tp={tp}; {_agreement(cls, styles)}",
+        description=f"inferred from {cls.__name__}'s modules at tp={tp}; {_agreement(model, styles)}",
         tp_split_outputs=split,
         origin=f"the plan inferred for {cls.__name__}",
     )
