@@ -25,6 +25,7 @@ Mixture-of-experts layers (experts not held as Linear children by these names) s
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -191,12 +192,13 @@ def infer(model: nn.Module, tp: int) -> _Inferred:
     return found
 
 
-def _folded_rules(styles: dict[str, Style], modules: list[str]) -> list[str]:
-    """Patterns with numbered blocks as `*` wherever every module a pattern matches has the same style."""
+def _folded_rules(values: Mapping[str, object], modules: list[str]) -> list[str]:
+    """Patterns with numbered blocks as `*` wherever every module a pattern matches has the same value (a style,
+    the attributes an attention rule divides)."""
     patterns: dict[str, None] = {}
-    for name, style in styles.items():
+    for name, value in values.items():
         pattern = folded(name)
-        exact = all(styles.get(m) == style for m in modules if matches(pattern, m))
+        exact = all(values.get(m) == value for m in modules if matches(pattern, m))
         patterns[pattern if exact else name] = None
     return list(patterns)
 
@@ -237,9 +239,9 @@ def plan_for_transformers(config: dict[str, Any], tp: int = 1) -> Plan:
               _folded_rules(styles, names)]  # fmt: skip
     attention = [
         AttentionRule(p, found.attention[next(n for n in names if matches(p, n) and n in found.attention)], False)
-        for p in _folded_rules({n: _Heads(d) for n, d in found.attention.items()}, names)
+        for p in _folded_rules(found.attention, names)
     ]
-    split = {p: {0: SeqDim(-1, 3)} for p in _folded_rules({n: _Heads(("split",)) for n in found.split_outputs}, names)}
+    split = {p: {0: SeqDim(-1, 3)} for p in _folded_rules(dict.fromkeys(found.split_outputs, True), names)}
     return Plan(
         name=f"{cls.__name__}.inferred",
         linear=tuple(linear),
@@ -249,13 +251,6 @@ def plan_for_transformers(config: dict[str, Any], tp: int = 1) -> Plan:
         tp_split_outputs=split,
         origin=f"the plan inferred for {cls.__name__}",
     )
-
-
-class _Heads(Style):
-    """A stand-in style so attention rules fold like Linear rules (equal when their divided attributes are)."""
-
-    def __init__(self, divide: tuple[str, ...]) -> None:
-        object.__setattr__(self, "blocks", divide)
 
 
 def check_transformers_plan(plan: Plan, config: dict[str, Any], cp: int = 1) -> None:
