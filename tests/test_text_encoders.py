@@ -246,3 +246,13 @@ def test_the_planner_reads_a_renamed_checkpoint_and_lists_the_degrees_the_heads_
     assert "model.layers.0.self_attn.q_proj.weight" in load_file(tmp_path / "src" / "model.safetensors")
     report = plan_meshes(tmp_path / "src")
     assert report.tp_degrees == [1, 2, 4]  # 4 query heads over 2 KV heads: tp4 computes one KV head per rank
+
+
+def test_reshard_infers_the_plan_again_at_the_new_degree(checkpoints, tmp_path):
+    from preshard.tools.reshard import reshard_checkpoint
+
+    reshard_checkpoint(checkpoints["qwen3vl_text"], tmp_path / "tp4", tp=4, progress=False)
+    manifest = read_manifest(tmp_path / "tp4")  # 2 KV heads: split at tp2, computed whole at tp4
+    assert manifest.tensors["layers.0.self_attn.k_proj.weight"].layout.style.name == "kv_head_select"
+    reshard_checkpoint(checkpoints["qwen3vl"], tmp_path / "vl-tp1", tp=1, progress=False)  # module names kept
+    assert set(read_manifest(tmp_path / "vl-tp1").tensors) == set(read_manifest(checkpoints["qwen3vl"]).tensors)

@@ -304,6 +304,8 @@ def checkpoint_renames(config: dict[str, Any], names: list[str]) -> dict[str, st
     prefix = getattr(model, "base_model_prefix", None) or None
     renames: dict[str, str] = {}
     for name in names:
+        if name in expected:  # already a module's name (a converted checkpoint read back to reshard)
+            continue
         target, converted = rename_source_key(name, renamings, converters, prefix, expected)
         if converted is not None:
             raise PlanError(
