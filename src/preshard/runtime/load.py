@@ -49,7 +49,7 @@ def load_sharded(
     order: str | tuple[str, ...] | None = None,
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
-    verify: bool = False,
+    verify: bool = True,
     revision: str | None = None,
     token: str | bool | None = None,
     subfolder: str | None = None,
@@ -71,8 +71,9 @@ def load_sharded(
             only when PJRT_DEVICE names an accelerator).
         dtype: cast floating parameters to bf16/fp16/fp32 (a string or torch dtype), except modules the model
             keeps in float32.
-        verify: also check every chunk this rank reads against its xxh3_64 (the cheap structural and framing
-            checks always run).
+        verify: check every chunk this rank reads against its xxh3_64, hashed beside the read (the default);
+            False skips only that, for storage the caller vouches for (the structural and framing checks always
+            run).
         revision, token: for a Hub repo.
         subfolder: the folder inside `checkpoint` (a Hub repo or a local folder) that holds the converted checkpoint,
             e.g. "transformer" for a pipeline repo.
