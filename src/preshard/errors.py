@@ -123,6 +123,10 @@ class DeviceError(PreshardError, RuntimeError):
     """The requested device or backend is not available, or the launch does not fit it."""
 
 
+class JobTimeoutError(PreshardError, TimeoutError):
+    """A rank of the job did not join within the time allowed (killed, crashed or still starting)."""
+
+
 class WorkerError(PreshardError, RuntimeError):
     """A process of a parallel conversion died or could not be reached (the finished part is kept)."""
 
@@ -172,6 +176,7 @@ __all__ = [
     "DeviceError",
     "InconsistentInputsError",
     "Interrupted",
+    "JobTimeoutError",
     "MismatchError",
     "OutputError",
     "OutputExistsError",

@@ -35,6 +35,7 @@ CATEGORIES = {
     "MismatchError": ValueError,
     "InconsistentInputsError": ValueError,
     "DeviceError": RuntimeError,
+    "JobTimeoutError": TimeoutError,
     "WorkerError": RuntimeError,
     "ResourceError": MemoryError,
 }

@@ -54,7 +54,7 @@ def _describe(error: BaseException | None) -> list[str] | None:
     return [name, " ".join(text.split())[:MESSAGE_CHARS]]
 
 
-def _raise_failures(records: list[dict], error: BaseException | None, doing: str) -> None:
+def raise_failures(records: list[dict], error: BaseException | None, doing: str) -> None:
     """This rank's own error, else the first other rank's (rebuilt as its class), if any rank failed."""
     if error is not None:
         raise error
@@ -90,7 +90,7 @@ def agree_on_checkpoint(
         The error of this rank, or of the first rank that failed (its class, naming the rank).
     """
     records = _exchange(rank_device, {"digest": digest, "commit": commit, "error": _describe(error)})
-    _raise_failures(records, error, "to open the checkpoint")
+    raise_failures(records, error, "to open the checkpoint")
     groups: dict[tuple, list[int]] = {}
     for rank, record in enumerate(records):
         groups.setdefault((record.get("digest"), record.get("commit")), []).append(rank)
@@ -118,7 +118,7 @@ def agree_on_outcome(rank_device: RankDevice, error: BaseException | None, repla
             every rank). The error of this rank, or of the first rank that failed while loading.
     """
     records = _exchange(rank_device, {"error": _describe(error), "replaced": replaced})
-    _raise_failures(records, error, "while loading")
+    raise_failures(records, error, "while loading")
     for rank, record in enumerate(records):
         if record.get("replaced"):
             raise CorruptCheckpointError(
@@ -127,4 +127,4 @@ def agree_on_outcome(rank_device: RankDevice, error: BaseException | None, repla
             )
 
 
-__all__ = ["agree_on_checkpoint", "agree_on_outcome"]
+__all__ = ["agree_on_checkpoint", "agree_on_outcome", "raise_failures"]
