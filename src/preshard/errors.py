@@ -99,6 +99,10 @@ class ChecksumMismatch(CorruptCheckpointError):
     """A file's or chunk's bytes do not match the checksum the manifest records."""
 
 
+class ManifestVersionError(CorruptCheckpointError):
+    """A manifest of a past or future format version: convert again, or upgrade preshard (verify cannot judge it)."""
+
+
 class CheckpointFileMissingError(CorruptCheckpointError, FileNotFoundError):
     """A file the checkpoint needs (its manifest, a rank's data file, config.json) is missing."""
 
@@ -177,6 +181,7 @@ __all__ = [
     "InconsistentInputsError",
     "Interrupted",
     "JobTimeoutError",
+    "ManifestVersionError",
     "MismatchError",
     "OutputError",
     "OutputExistsError",

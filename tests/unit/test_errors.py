@@ -32,6 +32,7 @@ CATEGORIES = {
     "CorruptCheckpointError": ValueError,
     "ChecksumMismatch": ValueError,
     "CheckpointFileMissingError": FileNotFoundError,
+    "ManifestVersionError": ValueError,
     "MismatchError": ValueError,
     "InconsistentInputsError": ValueError,
     "DeviceError": RuntimeError,

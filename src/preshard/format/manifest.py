@@ -31,6 +31,7 @@ from preshard.errors import (
     CheckpointFileMissingError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    ManifestVersionError,
     PlanError,
     UsageError,
 )
@@ -460,12 +461,12 @@ class _Parser:
         if not isinstance(version, int) or isinstance(version, bool) or version < 1:
             raise self.bad(f"version {version!r} is not valid")
         if version > MANIFEST_VERSION:
-            raise CorruptCheckpointError(
+            raise ManifestVersionError(
                 f"{self.origin} has manifest version {version}, newer than the {MANIFEST_VERSION} this preshard "
                 "reads; upgrade preshard"
             )
         if version < MANIFEST_VERSION:
-            raise CorruptCheckpointError(
+            raise ManifestVersionError(
                 f"{self.origin} has manifest version {version}, which this preshard no longer loads; "
                 "convert the source checkpoint again with this version"
             )

@@ -134,7 +134,10 @@ def _load_sharded(
     except Exception as exc:  # told to the other ranks first, so that none waits for this one
         error = exc
     try:
-        agree_on_checkpoint(rank_device, held and held.manifest.digest, commit, error, str(checkpoint))
+        digest = held and held.manifest.digest
+        agree_on_checkpoint(
+            rank_device, digest, commit, error, str(checkpoint), {"device": rank_device.kind, **requests}
+        )
         return _load_held(model, held, run_mesh, rank_device, cast, verify, place_buffers, start, input_mode)
     finally:
         if held is not None:

@@ -14,8 +14,8 @@ then is the process group made, from the same store, so nothing waits in gloo fo
 
 `timeout` bounds the joining only: the process group keeps torch's default, because ranks can reach a later
 collective minutes apart (a cold read of a large shard). A process group the caller made already (or XLA's
-`xla://` rendezvous, which has its own store) is used as it is: then the requests are compared over that group
-after the device is chosen.
+`xla://` rendezvous, which has its own store) is used as it is: then the requests are compared in the load's first
+exchange over that group (`agreement.agree_on_checkpoint`), which adds no collective.
 """
 
 from __future__ import annotations
@@ -28,9 +28,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from preshard.errors import DeviceError, JobTimeoutError, MismatchError, PreshardError, UsageError
-from preshard.runtime import collectives
-from preshard.runtime.agreement import raise_failures
+from preshard.errors import DeviceError, JobTimeoutError, PreshardError, UsageError
+from preshard.runtime.agreement import compare_requests, raise_failures
 from preshard.runtime.devices import RankDevice, device_kind_and_backend, init_rank_device
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -96,24 +95,20 @@ def join_job(
     if _launched() <= 1 or dist.is_initialized():
         if error is not None:
             raise error
-        rank_device = init_rank_device(device)
-        _compare_over_group(rank_device, requests)
-        return rank_device
+        return init_rank_device(device)  # the requests are compared in the checkpoint agreement (agreement.py)
     kind = backend = None
     try:
         kind, backend = device_kind_and_backend(device)
     except Exception as exc:  # told to the other ranks first, so that none waits for this one
         error = error or exc
     if backend == "xla" and error is None:  # xla:// is its own rendezvous: compared over the group once it exists
-        rank_device = init_rank_device(device)
-        _compare_over_group(rank_device, requests)
-        return rank_device
+        return init_rank_device(device)  # the requests are compared in the checkpoint agreement (agreement.py)
     store, rank, world = _meet(timeout)
     record = {"error": _describe(error) if error else None, "requests": {"device": kind, **requests}}
     records = _exchange(store, rank, world, record, timeout)
     try:
         raise_failures(records, error, "before joining the job")
-        _compare(records)
+        compare_requests(records)
     except PreshardError:
         _leave(store, rank, world, timeout)
         raise
@@ -185,38 +180,6 @@ def _leave(store: dist.Store, rank: int, world: int, timeout: float) -> None:
             store.wait([ALL_READ], timedelta(seconds=timeout))
         except RuntimeError:
             pass  # a rank that left cannot read; the others have their answer
-
-
-def _compare(records: list[dict]) -> None:
-    """Every rank asked for the same things, or one MismatchError naming the first that differs."""
-    fields: list[str] = []
-    for record in records:
-        fields += [k for k in record.get("requests", {}) if k not in fields]
-    for field in fields:
-        seen: dict[str, list[int]] = {}
-        for rank, record in enumerate(records):
-            seen.setdefault(json.dumps(record.get("requests", {}).get(field)), []).append(rank)
-        if len(seen) > 1:
-            parts = [f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r[:4]))} {v}" for v, r in seen.items()]
-            raise MismatchError(
-                f"the ranks of this job called load_sharded with different {field}: {'; '.join(parts[:4])}; every "
-                "rank must pass the same arguments (nothing was loaded)"
-            )
-
-
-def _compare_over_group(rank_device: RankDevice, requests: dict[str, object]) -> None:
-    """The same comparison over a process group that exists already (one fixed-size all-gather)."""
-    if rank_device.world_size <= 1:
-        return
-    data = json.dumps({"requests": {"device": rank_device.kind, **requests}}).encode()[:RECORD_BYTES]
-    gathered = collectives.all_gather_bytes(data, RECORD_BYTES, rank_device.device)
-    records = []
-    for raw in gathered:
-        try:
-            records.append(json.loads(raw))
-        except ValueError:
-            records.append({"requests": {"record": "damaged"}})
-    _compare(records)
 
 
 __all__ = ["DEFAULT_TIMEOUT_S", "check_timeout", "join_job"]
