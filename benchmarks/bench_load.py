@@ -9,7 +9,8 @@ run in a fresh child process:
             exactly the bytes preshard reads for this rank (its slices in its rank file plus every
             replicated chunk), into one preallocated buffer
   preshard  the runtime's ShardReader over every tensor of the manifest into preallocated CPU tensors
-            (what load_sharded does on the CPU, without building a model or a process group)
+            (what load_sharded(verify=False) does on the CPU, without building a model or a process group)
+  verified  preshard with every chunk's xxh3_64 checked, hashed beside the read (load_sharded's default)
   prefault  preshard, with a second thread mapping the destination pages from the end (MADV_POPULATE_WRITE)
             while the reader fills them from the start: the first-touch faults shared by two cores
   hugepages preshard, with madvise(MADV_HUGEPAGE) on every destination tensor first: 2 MiB faults where
@@ -57,7 +58,7 @@ from pathlib import Path
 
 from _harness import REPO_SRC, bench_env, cold_possible, drop_caches, loadavg
 
-VARIANTS = ("raw", "preshard", "prefault", "hugepages", "slice")
+VARIANTS = ("raw", "preshard", "verified", "prefault", "hugepages", "slice")
 MIB = 1024 * 1024
 BLOCK = 16 * MIB
 
@@ -103,7 +104,7 @@ def _variant_files(checkpoint: Path, source: Path, rank: int) -> dict[str, list[
     manifest = read_manifest(checkpoint)
     mine = [checkpoint / f for f in manifest.files_for_tp_rank(rank)] + [checkpoint / "manifest.json"]
     src = _files_of(source) if source.is_dir() else [source]
-    return {"raw": mine, "preshard": mine, "prefault": mine, "hugepages": mine, "slice": src}
+    return {"raw": mine, "preshard": mine, "verified": mine, "prefault": mine, "hugepages": mine, "slice": src}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -193,7 +194,7 @@ def _preallocate(manifest) -> dict:
     import torch
 
     return {
-        name: torch.empty(t.layout.local_shape(manifest.tp), dtype=t.layout.dtype)
+        name: torch.empty(t.layout.local_shape(manifest.tp), dtype=t.layout.dtype.torch)
         for name, t in manifest.tensors.items()
     }
 
@@ -248,7 +249,7 @@ def _prepare_raw(checkpoint: Path, rank: int):
     return read
 
 
-def _prepare_preshard(checkpoint: Path, rank: int, memory: str = "fresh"):
+def _prepare_preshard(checkpoint: Path, rank: int, memory: str = "fresh", verify: bool = False):
     """The runtime's reader into preallocated tensors; `memory`: "prefault" maps their pages on a second thread
     while reading (`Prefault`), "hugepages" asks for transparent huge pages first (`advise_huge_pages`)."""
     import contextlib
@@ -266,7 +267,7 @@ def _prepare_preshard(checkpoint: Path, rank: int, memory: str = "fresh"):
 
     def read() -> tuple[int, int | None]:
         prefault = Prefault([outs[n] for n in order]) if memory == "prefault" else contextlib.nullcontext()
-        with prefault, ShardReader(checkpoint, manifest, rank, verify=False, pin=False) as reader:
+        with prefault, ShardReader(checkpoint, manifest, rank, verify=verify, pin=False) as reader:
             reader.read_all(outs)
         return reader.stats.bytes_read, None
 
@@ -371,6 +372,7 @@ def child(variant: str, checkpoint: Path, rank: int) -> dict:
     prepare = {
         "raw": _prepare_raw,
         "preshard": _prepare_preshard,
+        "verified": lambda c, r: _prepare_preshard(c, r, verify=True),
         "prefault": lambda c, r: _prepare_preshard(c, r, "prefault"),
         "hugepages": lambda c, r: _prepare_preshard(c, r, "hugepages"),
         "slice": _prepare_slice,
@@ -590,7 +592,7 @@ def report(results: list[dict], header: str, modes: list[str]) -> str:
         if not sel:
             continue
         med_raw = statistics.median(r["seconds"] for r in sel if r["variant"] == "raw")
-        for variant in VARIANTS:
+        for variant in [v for v in VARIANTS if any(r["variant"] == v for r in sel)]:
             times = [r["seconds"] for r in sel if r["variant"] == variant]
             paired = [r["seconds"] / raw[(mode, r["run"])]["seconds"] for r in sel if r["variant"] == variant]
             med = statistics.median(times)
@@ -626,6 +628,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-cold", action="store_true", help="warm runs only")
     parser.add_argument("--ranks", type=int, default=0, help="run N torchrun ranks loading a tp=N conversion instead")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed for one torchrun job")
+    parser.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"comma-separated subset of {','.join(VARIANTS)} (raw always runs)",
+    )
     parser.add_argument("--json", dest="json_path", help="write every raw number to this JSON file")
     parser.add_argument("--child", choices=(*VARIANTS, "check"), help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
@@ -646,6 +653,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--rank must be in 0..{args.tp - 1}")
     if args.runs < 1:
         parser.error("--runs must be >= 1")
+    chosen = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if set(chosen) - set(VARIANTS):
+        parser.error(f"--variants: unknown {sorted(set(chosen) - set(VARIANTS))}; choose from {', '.join(VARIANTS)}")
+    variants = tuple(v for v in VARIANTS if v in chosen or v == "raw")
 
     command = shlex.join(["python", *(sys.argv if argv is None else [sys.argv[0], *argv])])
     print(f"command: {command}")
@@ -725,8 +736,8 @@ def main(argv: list[str] | None = None) -> None:
             results = []
             for run in range(1, args.runs + 1):
                 for mode in modes if run % 2 else modes[::-1]:
-                    k = (run - 1) % len(VARIANTS)
-                    for variant in VARIANTS[k:] + VARIANTS[:k]:
+                    k = (run - 1) % len(variants)
+                    for variant in variants[k:] + variants[:k]:
                         _prepare_cache(mode, files[variant])
                         load = loadavg()
                         r = {**_run_child(variant, out, args.rank, env), "run": run, "mode": mode}
@@ -739,13 +750,16 @@ def main(argv: list[str] | None = None) -> None:
             record["results"] = results
             for mode in modes:
                 sel = {(r["variant"], r["run"]): r["seconds"] for r in results if r["mode"] == mode}
-                p = statistics.median(v for (variant, _), v in sel.items() if variant == "preshard")
-                q = statistics.median(v for (variant, _), v in sel.items() if variant == "raw")
-                paired = statistics.median(sel[("preshard", n)] / sel[("raw", n)] for n in range(1, args.runs + 1))
-                print(
-                    f"{mode}: preshard rank {args.rank} / raw read of the same bytes = {p / q:.2f}x (medians), "
-                    f"{paired:.2f}x (median of per-run ratios); target <= 1.1x"
-                )
+                for variant, base in (("preshard", "raw"), ("verified", "raw"), ("verified", "preshard")):
+                    if variant not in variants or base not in variants:
+                        continue
+                    p = statistics.median(v for (name, _), v in sel.items() if name == variant)
+                    q = statistics.median(v for (name, _), v in sel.items() if name == base)
+                    paired = statistics.median(sel[(variant, n)] / sel[(base, n)] for n in range(1, args.runs + 1))
+                    print(
+                        f"{mode}: {variant} rank {args.rank} / {base} = {p / q:.2f}x (medians), "
+                        f"{paired:.2f}x (median of per-run ratios); target <= 1.1x"
+                    )
         load_end = loadavg()
         print(f"loadavg at start: {load_start}\nloadavg at end:   {load_end}")
         if args.json_path:

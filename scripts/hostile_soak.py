@@ -28,6 +28,16 @@ correct result. The classes (issue 20):
 - jobs: two gloo ranks, one delayed across an --overwrite of the checkpoint (or not: the control): refused on
   both ranks with the same line; the control loads.
 
+Round 4 (issue 31):
+
+- edges: plan --devices past the world-size cap, --device-memory inf, an output of only spaces, a source that is
+  not UTF-8, manifests of a past or future version (a CorruptCheckpointError): one line each, nothing written.
+- sources: a dangling config.json link, a FIFO config, an empty index: one line; config.json edited or swapped
+  for a FIFO while the tensors are written: the committed config is the one planned from, no hang.
+- reads: a flipped bit in a data file: refused by load_sharded's default (and verify=True); verify=False loads.
+- ranks: two gloo ranks, one never joining, one refused its device before joining, one asking another dtype:
+  every rank that called load_sharded fails with one line; the control loads.
+
 Prints one line per class (cases, held) and every failure; exits 1 on any failure.
 `tests/test_untrusted_input.py` runs a smaller mix in CI.
 """
@@ -62,7 +72,7 @@ sys.path.insert(0, str(HERE.parent / "tests" / "support"))
 
 import crash_soak  # noqa: E402  (scripts/: the synthetic source builder)
 
-from preshard.errors import PreshardError  # noqa: E402
+from preshard.errors import CorruptCheckpointError, PreshardError  # noqa: E402
 from preshard.format.jsonio import canonical_json  # noqa: E402
 
 CASE_TIMEOUT_S = 120  # a case that takes longer hangs (a FIFO waited on, an unbounded loop): a failure
@@ -474,7 +484,7 @@ class Soak:
             outcome = run_cli("convert", src, out, "--tp", "2", "--plan", plan, "--no-progress")
             if outcome.status != 0:
                 return f"convert: {outcome.stderr[-300:]}"
-            if outcome.seconds > 5.0:
+            if outcome.seconds > 5 * self.max_seconds:  # the soak's clock; tests count calls instead
                 return f"took {outcome.seconds:.2f} s"
             checked = run_cli("verify", out, "--source", src)
             return None if checked.status == 0 else f"verify: {checked.stdout[-300:]}"
@@ -740,6 +750,207 @@ def job_rank(rank: int, world_size: int, checkpoint: str, other: str, plan: str,
     return "loaded"
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Round 4 (issue 31): wrong bytes by default, option and path edges, sources changing under the reader, ranks
+# that never join or disagree
+
+
+def edge_cases(soak: Soak) -> list[Case]:
+    source, plan = soak.source, str(soak.plan)
+
+    def cli(*args: object, fragment: str) -> Callable[[Path], str | None]:
+        return lambda folder: one_line(run_cli(*args), fragment)
+
+    def into(name: str, fragment: str) -> Callable[[Path], str | None]:
+        def case(folder: Path) -> str | None:
+            cwd = os.getcwd()
+            os.chdir(folder)
+            try:
+                outcome = run_cli("convert", source, name, "--tp", "1", "--plan", plan, "--no-progress")
+            finally:
+                os.chdir(cwd)
+            return one_line(outcome, fragment) or (f"{name!r} was created" if (folder / name).exists() else None)
+
+        return case
+
+    def non_utf8_source(folder: Path) -> str | None:
+        odd = folder / os.fsdecode(b"src\xff")
+        shutil.copytree(source, odd)
+        return one_line(run_cli("convert", odd, folder / "out", "--tp", "1", "--plan", plan), "UTF-8")
+
+    cases = [
+        Case("edges", "plan --devices 10**15", cli("plan", source, "--plan", plan, "--devices", str(10**15),
+                                                   fragment="--devices must be")),
+        Case("edges", "plan --devices 2**21", cli("plan", source, "--plan", plan, "--devices", str(2**21),
+                                                  fragment="--devices must be")),
+        Case("edges", "plan --device-memory inf", cli("plan", source, "--plan", plan, "--device-memory", "inf",
+                                                      fragment="--device-memory")),
+        Case("edges", "convert into ' '", into(" ", "only whitespace")),
+        Case("edges", "convert into '  '", into("  ", "only whitespace")),
+        Case("edges", "convert a non-UTF-8 source", non_utf8_source),
+    ]  # fmt: skip
+    for version, fragment in ((1, "no longer loads"), (3, "newer than"), (99, "newer than")):
+
+        def versioned(folder: Path, version: int = version, fragment: str = fragment) -> str | None:
+            ck = soak.copy_checkpoint(folder)
+            reseal(ck, lambda m: m.update(version=version))
+            from preshard.format.manifest import read_manifest
+
+            outcome = run_library(lambda: read_manifest(ck))
+            if not isinstance(outcome.error, CorruptCheckpointError):
+                return f"version {version}: {type(outcome.error).__name__}, not CorruptCheckpointError"
+            return one_line(outcome, fragment)
+
+        cases.append(Case("edges", f"manifest version {version}", versioned))
+    return cases
+
+
+def source_cases(soak: Soak) -> list[Case]:
+    plan = str(soak.plan)
+
+    def copy(folder: Path) -> Path:
+        return Path(shutil.copytree(soak.source, folder / "src"))
+
+    def refused(prepare: Callable[[Path], None], fragment: str) -> Callable[[Path], str | None]:
+        def case(folder: Path) -> str | None:
+            src = copy(folder)
+            prepare(src)
+            out = folder / "out"
+            why = one_line(run_cli("convert", src, out, "--tp", "1", "--plan", plan), fragment)
+            return why or (f"{out} was written" if out.exists() else None)
+
+        return case
+
+    def dangling(src: Path) -> None:
+        (src / "config.json").unlink()
+        (src / "config.json").symlink_to(src / "gone.json")
+
+    def fifo(src: Path) -> None:
+        (src / "config.json").unlink()
+        os.mkfifo(src / "config.json")
+
+    def index_of(text: str) -> Callable[[Path], None]:
+        def prepare(src: Path) -> None:
+            for f in src.glob("*.safetensors"):
+                f.unlink()
+            (src / "model.safetensors.index.json").write_text(text)
+
+        return prepare
+
+    def changed_after_planning(kind: str) -> Callable[[Path], str | None]:
+        def case(folder: Path) -> str | None:
+            from preshard.converter import convert as convert_module
+
+            src = copy(folder)
+            config = src / "config.json"
+            original = config.read_bytes()
+
+            def change(name: str) -> None:
+                convert_module._after_tensor_hook = None
+                config.unlink()
+                if kind == "fifo":
+                    os.mkfifo(config)
+                else:
+                    config.write_text(json.dumps({"_class_name": "Other", "width": 1}))
+
+            convert_module._after_tensor_hook = change
+            try:
+                outcome = run_library(
+                    lambda: __import__("preshard.converter.convert", fromlist=["x"]).convert_checkpoint(
+                        src, folder / "out", tp=1, plan=plan, progress=False
+                    )
+                )
+            finally:
+                convert_module._after_tensor_hook = None
+            if outcome.status != 0:
+                return f"conversion failed: {outcome.stderr[-300:]}"
+            committed = (folder / "out" / "config.json").read_bytes()
+            return None if committed == original else "the config edited after planning was committed"
+
+        return case
+
+    return [
+        Case("sources", "dangling config.json link", refused(dangling, "does not exist")),
+        Case("sources", "config.json a FIFO", refused(fifo, "config.json")),
+        Case("sources", "index {}", refused(index_of("{}"), "not a valid safetensors index")),
+        Case("sources", "index with an empty weight_map", refused(index_of('{"weight_map": {}}'), "names no tensor")),
+        Case("sources", "config edited after planning", changed_after_planning("edit")),
+        Case("sources", "config a FIFO after planning", changed_after_planning("fifo")),
+    ]
+
+
+def read_cases(soak: Soak) -> list[Case]:
+    """A data file holding other bytes of the same length: refused by default, loaded only with verify=False."""
+    from preshard.format.manifest import read_manifest
+    from preshard.runtime.load import load_sharded
+
+    def damaged(where: str, verify: bool | None) -> Callable[[Path], str | None]:
+        def case(folder: Path) -> str | None:
+            ck = soak.copy_checkpoint(folder)
+            chunks = [c for t in read_manifest(ck).tensors.values() for c in t.chunks if c.data_length]
+            chunk = {"first": chunks[0], "last": chunks[-1], "random": soak.rng.choice(chunks)}[where]
+            with open(ck / chunk.file, "r+b") as f:
+                f.seek(chunk.data_offset + chunk.data_length // 2)
+                byte = f.read(1)[0]
+                f.seek(chunk.data_offset + chunk.data_length // 2)
+                f.write(bytes([byte ^ 0x01]))
+            kwargs = {} if verify is None else {"verify": verify}
+            outcome = run_library(lambda: load_sharded(SyntheticModel, ck, device="cpu", **kwargs))
+            if verify is False:
+                return None if outcome.status == 0 else f"verify=False refused: {outcome.stderr[-200:]}"
+            return one_line(outcome, "checksum mismatch", chunk.tensor)
+
+        return case
+
+    return [
+        Case("reads", f"a flipped bit in the {where} chunk, verify={verify}", damaged(where, verify))
+        for where in ("first", "last", "random", "random")
+        for verify in (None, True)
+    ] + [Case("reads", "the control: verify=False loads it", damaged("random", False))]
+
+
+def rank_cases(soak: Soak) -> list[Case]:
+    """Two gloo ranks, one of which never joins, is refused its device before joining, or asks for another dtype."""
+
+    def job(scenario: str) -> Callable[[Path], str | None]:
+        def case(folder: Path) -> str | None:
+            from multiproc import run_ranks
+
+            _, _, ck = build_checkpoint(folder / "a", seed=0, tp=2)
+            results = run_ranks(rank_rank, 2, str(ck), scenario, timeout=180)
+            want = {
+                "absent": ("JobTimeoutError", "rank 1 of 2 did not reach load_sharded"),
+                "cuda": ("DeviceError", "device 'cuda'"),
+                "dtype": ("MismatchError", "different dtype"),
+                "same": (None, None),
+            }[scenario]
+            shown = [r for r in results if r != "absent"]
+            if want[0] is None:
+                return None if shown == ["loaded", "loaded"] else f"control: {results}"
+            if not shown or not all(r.startswith(want[0]) and want[1] in r for r in shown):
+                return f"{scenario}: {results}"
+            return None
+
+        return case
+
+    return [Case("ranks", name, job(name)) for name in ("absent", "cuda", "dtype", "same")]
+
+
+def rank_rank(rank: int, world_size: int, checkpoint: str, scenario: str) -> str:
+    from preshard.runtime.load import load_sharded
+
+    if scenario == "absent" and rank == 1:
+        return "absent"  # never reaches load_sharded, as if killed before it
+    kwargs: dict = {"timeout": 2} if scenario == "absent" else {}
+    if rank == 1 and scenario in ("cuda", "dtype"):
+        kwargs = {"device": "cuda"} if scenario == "cuda" else {"dtype": "bf16"}
+    try:
+        load_sharded(SyntheticModel, checkpoint, **({"device": "cpu"} | kwargs))
+    except PreshardError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "loaded"
+
+
 def all_cases(soak: Soak, classes: set[str], *, resumes: int, signals: int, jobs: int) -> list[Case]:
     makers = {
         "links": soak.link_cases,
@@ -750,6 +961,10 @@ def all_cases(soak: Soak, classes: set[str], *, resumes: int, signals: int, jobs
         "signals": lambda: soak.signal_cases(signals),
         "misuse": soak.misuse_cases,
         "jobs": lambda: soak.job_cases(jobs),
+        "edges": lambda: edge_cases(soak),
+        "sources": lambda: source_cases(soak),
+        "reads": lambda: read_cases(soak),
+        "ranks": lambda: rank_cases(soak),
     }
     unknown = classes - set(makers)
     if unknown:
@@ -759,7 +974,7 @@ def all_cases(soak: Soak, classes: set[str], *, resumes: int, signals: int, jobs
     return cases
 
 
-CLASSES = "links,special,headers,manifests,resume,signals,misuse,jobs"
+CLASSES = "links,special,headers,manifests,resume,signals,misuse,jobs,edges,sources,reads,ranks"
 
 
 def main(argv: list[str] | None = None) -> int:

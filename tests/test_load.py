@@ -417,7 +417,7 @@ def test_truncated_data_file(tp1, tmp_path):
     assert data_file_name(0) in message and "truncated" in message
 
 
-def test_flipped_byte_caught_only_with_verify(tp1, tmp_path, models):
+def test_flipped_byte_caught_by_default_and_loaded_only_with_verify_off(tp1, tmp_path, models):
     checkpoint = _copy(tp1, tmp_path)
     chunk = read_manifest(checkpoint).tensors["proj_in.weight"].chunks[0]
     with open(checkpoint / chunk.file, "r+b") as f:
@@ -425,10 +425,10 @@ def test_flipped_byte_caught_only_with_verify(tp1, tmp_path, models):
         byte = f.read(1)[0]
         f.seek(chunk.data_offset + 5)
         f.write(bytes([byte ^ 0x40]))
-    message = _error(lambda: load_sharded(_h3(), checkpoint, verify=True), ChecksumMismatch)
+    message = _error(lambda: load_sharded(_h3(), checkpoint), ChecksumMismatch)  # verify=True is the default
     assert chunk.file in message and "proj_in.weight" in message
-    # verify=False (the default) hashes nothing: the damaged weight loads silently. The file-size check
-    # still runs, so truncation is always caught; bit rot only with verify=True (or `preshard verify`).
+    # The negative control: verify=False hashes nothing, so the damaged weight loads silently (the file-size and
+    # framing checks still run, so truncation is always caught; bit rot only with the checksums).
     model = load_sharded(_h3(), checkpoint, verify=False)
     assert model.preshard_report.verified is False
     assert not torch.equal(model.proj_in.weight, models["float32"].proj_in.weight)

@@ -440,3 +440,40 @@ def test_hub_lora_is_downloaded_with_huggingface_hub(flux, tmp_path, fake_hub):
         assert (tmp_path / "out" / f.name).read_bytes() == (tmp_path / "local" / f.name).read_bytes()
     with pytest.raises(SourceError, match="Hub download failed"):
         convert_checkpoint(source, tmp_path / "x", tp=2, progress=False, loras=["org/loras/nothing.safetensors"])
+
+
+@pytest.mark.parametrize(
+    "case, fragments",
+    [
+        ("nan in A", ["lora_A factor of", "NaN or Inf"]),
+        ("inf in B", ["lora_B factor of", "NaN or Inf"]),
+        ("nan alpha", ["scaling of", "alpha"]),
+        ("inf alpha", ["scaling of", "alpha"]),
+        ("overflowing scale", ["scaling of"]),
+        ("overflowing product", ["makes its weight not finite", "--lora-scale"]),
+    ],
+)
+def test_a_lora_that_is_not_numbers_is_refused_before_anything_is_committed(flux, tmp_path, case, fragments):
+    source, _, _ = flux
+    ok = _flux_lora_state(source)
+    to_q = "transformer.transformer_blocks.0.attn.to_q"
+    state, scale = dict(ok), 1.0
+    if case == "nan in A":
+        state[f"{to_q}.lora_A.weight"] = ok[f"{to_q}.lora_A.weight"].clone().index_fill_(1, torch.tensor([3]), math.nan)
+    elif case == "inf in B":
+        state[f"{to_q}.lora_B.weight"] = ok[f"{to_q}.lora_B.weight"].clone().index_fill_(0, torch.tensor([1]), math.inf)
+    elif case in ("nan alpha", "inf alpha"):
+        state[f"{to_q}.alpha"] = torch.tensor(math.nan if case == "nan alpha" else math.inf)
+    elif case == "overflowing scale":
+        scale = 1e300  # finite as a Python float, not as float32
+    else:  # factors finite in float32, their product not
+        state[f"{to_q}.lora_B.weight"] = torch.full_like(ok[f"{to_q}.lora_B.weight"], 3e38)
+        state[f"{to_q}.lora_A.weight"] = torch.full_like(ok[f"{to_q}.lora_A.weight"], 10.0)
+    path = _bad_file(tmp_path, "x.safetensors", state)
+    with pytest.raises(SourceError) as caught:
+        convert_checkpoint(source, tmp_path / "out", tp=2, progress=False, loras=[(path, scale)])
+    message = str(caught.value)
+    assert "\n" not in message and "transformer_blocks.0.attn.to_q" in message, message
+    for fragment in fragments:
+        assert fragment in message, message
+    assert not (tmp_path / "out").exists()

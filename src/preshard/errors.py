@@ -99,6 +99,10 @@ class ChecksumMismatch(CorruptCheckpointError):
     """A file's or chunk's bytes do not match the checksum the manifest records."""
 
 
+class ManifestVersionError(CorruptCheckpointError):
+    """A manifest of a past or future format version: convert again, or upgrade preshard (verify cannot judge it)."""
+
+
 class CheckpointFileMissingError(CorruptCheckpointError, FileNotFoundError):
     """A file the checkpoint needs (its manifest, a rank's data file, config.json) is missing."""
 
@@ -121,6 +125,10 @@ class InconsistentInputsError(MismatchError):
 
 class DeviceError(PreshardError, RuntimeError):
     """The requested device or backend is not available, or the launch does not fit it."""
+
+
+class JobTimeoutError(PreshardError, TimeoutError):
+    """A rank of the job did not join within the time allowed (killed, crashed or still starting)."""
 
 
 class WorkerError(PreshardError, RuntimeError):
@@ -172,6 +180,8 @@ __all__ = [
     "DeviceError",
     "InconsistentInputsError",
     "Interrupted",
+    "JobTimeoutError",
+    "ManifestVersionError",
     "MismatchError",
     "OutputError",
     "OutputExistsError",

@@ -88,6 +88,8 @@ class FakeRepo:
     private: bool = False
     gated: bool = False
     tokens: set[str] = field(default_factory=set)  # tokens that may read a private repo / passed a gated repo's gate
+    # Bytes sent in place of a file's own (its headers, ETag and X-Linked-Etag, stay the file's): a damaged download.
+    served: dict[str, bytes] = field(default_factory=dict)
 
     def commit_for(self, revision: str) -> str | None:
         if revision in self.refs:
@@ -380,6 +382,7 @@ def _resolve(repo: FakeRepo, method: str, revision: str, path: str, range_header
     if method == "HEAD":
         headers["Content-Length"] = str(len(data))
         return 200, headers, b""
+    data = repo.served.get(path, data)
     if range_header is None:
         return 200, headers, data
     match = RANGE.match(range_header.strip())

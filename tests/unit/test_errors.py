@@ -32,9 +32,11 @@ CATEGORIES = {
     "CorruptCheckpointError": ValueError,
     "ChecksumMismatch": ValueError,
     "CheckpointFileMissingError": FileNotFoundError,
+    "ManifestVersionError": ValueError,
     "MismatchError": ValueError,
     "InconsistentInputsError": ValueError,
     "DeviceError": RuntimeError,
+    "JobTimeoutError": TimeoutError,
     "WorkerError": RuntimeError,
     "ResourceError": MemoryError,
 }

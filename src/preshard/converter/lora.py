@@ -314,6 +314,7 @@ def _load(
         if factor is None or factor.rank != rank:
             raise MismatchError(f"LoRA {name}: diffusers applied it to {module} differently than its factors say")
         factors[module] = replace(factor, scaling=scaling * spec.scale)
+        check_finite_factor(factors[module], name)
     stat = file.stat()
     if stat.st_size != header.size or stat.st_mtime_ns != header.mtime_ns:
         raise SourceError(f"LoRA file {name} changed while it was being read; re-run once it is complete")
@@ -482,6 +483,30 @@ def _scalings(
 # The arithmetic
 
 
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def check_finite_factor(factor: LoraFactor, lora: str) -> None:
+    """A factor, its bias and its scaling (alpha / rank times the user's scale) are finite numbers in float32, the
+    dtype they are fused in: a NaN or an Inf would be fused and committed as weights that are not numbers.
+
+    Raises:
+        SourceError: naming the LoRA, the module and the factor.
+    """
+    if not (math.isfinite(factor.scaling) and abs(factor.scaling) <= FLOAT32_MAX):
+        raise SourceError(
+            f"LoRA {lora}: the scaling of {factor.module} (its alpha / rank times --lora-scale) is {factor.scaling!r}, "
+            "not a finite float32; fix the LoRA's alpha or the scale"
+        )
+    parts = (("lora_A", factor.down), ("lora_B", factor.up), ("lora_B bias", factor.up_bias))
+    for what, tensor in parts:
+        if tensor is not None and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise SourceError(
+                f"LoRA {lora}: the {what} factor of {factor.module} holds NaN or Inf; nothing was written: use a "
+                "LoRA whose factors are numbers"
+            )
+
+
 def _accumulator(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -493,6 +518,7 @@ def fuse_rows(rows: torch.Tensor, start: int, terms: list[tuple[LoraFactor, str]
     if not count or not terms:
         return
     acc = rows.to(_accumulator(rows.dtype))
+    was_finite = bool(torch.isfinite(rows).all())  # to tell an overflow of the update from the source's own values
     end = start + count
     for factor, kind in terms:
         if kind == "bias":
@@ -506,6 +532,14 @@ def fuse_rows(rows: torch.Tensor, start: int, terms: list[tuple[LoraFactor, str]
             acc[lo - start : hi - start] += delta[lo - tile : hi - tile]
     if acc is not rows:
         rows.copy_(acc)
+    if not bool(torch.isfinite(rows).all()):  # the product overflowed (float32, or the weight's own dtype)
+        if was_finite:
+            module = terms[0][0].module
+            raise SourceError(
+                f"the LoRA fused into {module} makes its weight not finite (the update overflows "
+                f"{str(rows.dtype).removeprefix('torch.')}); nothing was committed: lower --lora-scale or check the "
+                "LoRA's factors"
+            )
 
 
 def fuse_state_dict(state: dict[str, torch.Tensor], loras: LoraSet) -> dict[str, torch.Tensor]:

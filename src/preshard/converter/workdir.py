@@ -36,6 +36,7 @@ from preshard.errors import (
 )
 from preshard.format.layout import ChunkRecord, FileLayout, data_file_name
 from preshard.format.manifest import MANIFEST_FORMAT, MANIFEST_NAME
+from preshard.format.path_text import check_path_text
 from preshard.format.publish import publish_folder
 from preshard.units import human_bytes
 
@@ -95,6 +96,7 @@ def check_output(output: Path, source_paths: list[Path], overwrite: bool, kind: 
             of `kind`), is or holds the current directory, is a symlink, or its parent folder is missing.
     """
     given = output
+    check_path_text(given, "output", OutputError)
     cwd = Path.cwd().resolve()
     if str(given) in ("", ".", "..") or Path(given).resolve() == cwd:
         raise OutputError(f"output {given} is the current folder; name a new folder for the converted checkpoint")

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from preshard.errors import UsageError
+from preshard.format.path_text import check_path_text
 
 
 def local_path(
@@ -22,8 +23,10 @@ def local_path(
         option: how the caller spells the revision (`--revision` on the command line, `revision=` in Python).
 
     Raises:
-        UsageError: a revision was given for a local path (revisions are the Hub's).
+        UsageError: a revision was given for a local path (revisions are the Hub's), or a path that is empty, has
+            a name of only whitespace, or is not UTF-8 (`path_text.check_path_text`).
     """
+    check_path_text(given, "the")
     path = Path(given)
     if subfolder and path.is_dir():
         path = path / subfolder

@@ -31,8 +31,8 @@ from preshard.errors import (
     CheckpointFileMissingError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    ManifestVersionError,
     PlanError,
-    PreshardError,
     UsageError,
 )
 from preshard.format.dtypes import CAST_TARGETS, DType, cast_dtype, dtype_from_name, dtype_name
@@ -304,8 +304,8 @@ class Manifest:
         """Parse and validate plain JSON data (see the module docstring for what is checked).
 
         Raises:
-            CorruptCheckpointError: one line naming the field or tensor at fault.
-            PreshardError: a manifest of another format version.
+            CorruptCheckpointError: one line naming the field or tensor at fault, or a manifest of another format
+                version (past or future: the message says which to convert again or upgrade).
         """
         return _Parser(origin).manifest(data)
 
@@ -461,12 +461,12 @@ class _Parser:
         if not isinstance(version, int) or isinstance(version, bool) or version < 1:
             raise self.bad(f"version {version!r} is not valid")
         if version > MANIFEST_VERSION:
-            raise PreshardError(
+            raise ManifestVersionError(
                 f"{self.origin} has manifest version {version}, newer than the {MANIFEST_VERSION} this preshard "
                 "reads; upgrade preshard"
             )
         if version < MANIFEST_VERSION:
-            raise PreshardError(
+            raise ManifestVersionError(
                 f"{self.origin} has manifest version {version}, which this preshard no longer loads; "
                 "convert the source checkpoint again with this version"
             )

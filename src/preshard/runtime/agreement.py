@@ -54,7 +54,7 @@ def _describe(error: BaseException | None) -> list[str] | None:
     return [name, " ".join(text.split())[:MESSAGE_CHARS]]
 
 
-def _raise_failures(records: list[dict], error: BaseException | None, doing: str) -> None:
+def raise_failures(records: list[dict], error: BaseException | None, doing: str) -> None:
     """This rank's own error, else the first other rank's (rebuilt as its class), if any rank failed."""
     if error is not None:
         raise error
@@ -75,8 +75,30 @@ def _ranks(ranks: list[int], limit: int = 4) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {shown}"
 
 
+def compare_requests(records: list[dict]) -> None:
+    """Every rank asked for the same things, or one MismatchError naming the first that differs."""
+    fields: list[str] = []
+    for record in records:
+        fields += [k for k in record.get("requests", {}) if k not in fields]
+    for field in fields:
+        seen: dict[str, list[int]] = {}
+        for rank, record in enumerate(records):
+            seen.setdefault(json.dumps(record.get("requests", {}).get(field)), []).append(rank)
+        if len(seen) > 1:
+            parts = [f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r[:4]))} {v}" for v, r in seen.items()]
+            raise MismatchError(
+                f"the ranks of this job called load_sharded with different {field}: {'; '.join(parts[:4])}; every "
+                "rank must pass the same arguments (nothing was loaded)"
+            )
+
+
 def agree_on_checkpoint(
-    rank_device: RankDevice, digest: str | None, commit: str | None, error: BaseException | None, checkpoint: str
+    rank_device: RankDevice,
+    digest: str | None,
+    commit: str | None,
+    error: BaseException | None,
+    checkpoint: str,
+    requests: dict | None = None,
 ) -> None:
     """Every rank opened the same checkpoint (manifest digest and Hub commit), or every rank raises.
 
@@ -84,13 +106,16 @@ def agree_on_checkpoint(
         digest, commit: what this rank opened (None when it failed to, or when the checkpoint is not from the Hub).
         error: what stopped this rank from opening it, if anything (it is raised here, after the exchange).
         checkpoint: the checkpoint as the caller named it (for the message).
+        requests: what this rank was asked for (`compare_requests`: dtype, mesh, ...), the same on every rank.
 
     Raises:
         MismatchError: the ranks opened different checkpoints (the same line on every rank).
         The error of this rank, or of the first rank that failed (its class, naming the rank).
     """
-    records = _exchange(rank_device, {"digest": digest, "commit": commit, "error": _describe(error)})
-    _raise_failures(records, error, "to open the checkpoint")
+    record = {"digest": digest, "commit": commit, "error": _describe(error), "requests": requests or {}}
+    records = _exchange(rank_device, record)
+    raise_failures(records, error, "to open the checkpoint")
+    compare_requests(records)
     groups: dict[tuple, list[int]] = {}
     for rank, record in enumerate(records):
         groups.setdefault((record.get("digest"), record.get("commit")), []).append(rank)
@@ -118,7 +143,7 @@ def agree_on_outcome(rank_device: RankDevice, error: BaseException | None, repla
             every rank). The error of this rank, or of the first rank that failed while loading.
     """
     records = _exchange(rank_device, {"error": _describe(error), "replaced": replaced})
-    _raise_failures(records, error, "while loading")
+    raise_failures(records, error, "while loading")
     for rank, record in enumerate(records):
         if record.get("replaced"):
             raise CorruptCheckpointError(
@@ -127,4 +152,4 @@ def agree_on_outcome(rank_device: RankDevice, error: BaseException | None, repla
             )
 
 
-__all__ = ["agree_on_checkpoint", "agree_on_outcome"]
+__all__ = ["agree_on_checkpoint", "agree_on_outcome", "compare_requests", "raise_failures"]

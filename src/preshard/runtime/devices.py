@@ -198,20 +198,36 @@ def _neuron_backend() -> str:
     )
 
 
-def init_rank_device(device: str | torch.device | None = None) -> RankDevice:
-    """Initialise the process group from the torchrun environment if needed, then pick this rank's device."""
+def device_kind_and_backend(device: str | torch.device | None = None) -> tuple[str, str]:
+    """The device kind and process-group backend `device` asks for, checked before any process group exists.
+
+    Raises:
+        DeviceError: an unknown device, or one this host or this install cannot give.
+    """
     kind = _kind_of(device)
     _require_package(kind, detected=device is None)
     if kind == "cuda":
         _check_cuda(device)
-    backend = _neuron_backend() if kind == "neuron" else BACKENDS[kind]
+    return kind, _neuron_backend() if kind == "neuron" else BACKENDS[kind]
+
+
+def init_rank_device(device: str | torch.device | None = None, *, store: dist.Store | None = None) -> RankDevice:
+    """Initialise the process group from the torchrun environment if needed, then pick this rank's device.
+
+    Args:
+        store: the job's store, where the caller met the other ranks already (`preshard.runtime.rendezvous`).
+    """
+    kind, backend = device_kind_and_backend(device)
     if backend == "xla":
         import torch_xla.distributed.xla_backend  # noqa: F401  registers the "xla" backend and xla:// rendezvous
 
     launched = _env_int("WORLD_SIZE", 1)
     created = False
     if not dist.is_initialized() and launched > 1:
-        dist.init_process_group(backend=backend, init_method=XLA_INIT_METHOD if backend == "xla" else None)
+        if store is not None and backend != "xla":
+            dist.init_process_group(backend=backend, store=store, rank=_env_int("RANK", 0), world_size=launched)
+        else:
+            dist.init_process_group(backend=backend, init_method=XLA_INIT_METHOD if backend == "xla" else None)
         created = True
     try:
         _check_process_group(backend, launched, created)

@@ -29,12 +29,13 @@ from preshard.runtime.construct import (
     ignored_tensors,
     localise,
 )
-from preshard.runtime.devices import RankDevice, init_rank_device
+from preshard.runtime.devices import RankDevice
 from preshard.runtime.groups import MeshGroups, build_groups
 from preshard.runtime.held import HeldCheckpoint
 from preshard.runtime.hf_model import localise_kv_groups, retie, tied_parameters
 from preshard.runtime.lora import attach_lora_loading
 from preshard.runtime.reader import ShardReader
+from preshard.runtime.rendezvous import DEFAULT_TIMEOUT_S, join_job
 from preshard.runtime.report import REPORT_ATTRIBUTE, LoadReport
 from preshard.runtime.surface import attach_model_surface
 from preshard.runtime.tp import parallelize_linear, parallelize_norms, split_outputs
@@ -52,11 +53,12 @@ def load_sharded(
     order: str | tuple[str, ...] | None = None,
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
-    verify: bool = False,
+    verify: bool = True,
     revision: str | None = None,
     token: str | bool | None = None,
     subfolder: str | None = None,
     check_inputs: bool | str = True,
+    timeout: float = DEFAULT_TIMEOUT_S,
 ) -> nn.Module:
     """Load this rank's shard of a converted checkpoint into `model`, with the TP and CP hooks attached.
 
@@ -74,20 +76,25 @@ def load_sharded(
             only when PJRT_DEVICE names an accelerator).
         dtype: cast floating parameters to bf16/fp16/fp32 (a string or torch dtype), except modules the model
             keeps in float32.
-        verify: also check every chunk this rank reads against its xxh3_64 (the cheap structural and framing
-            checks always run).
+        verify: check every chunk this rank reads against its xxh3_64, hashed beside the read (the default);
+            False skips only that, for storage the caller vouches for (the structural and framing checks always
+            run).
         revision, token: for a Hub repo.
         subfolder: the folder inside `checkpoint` (a Hub repo or a local folder) that holds the converted checkpoint,
             e.g. "transformer" for a pipeline repo.
         check_inputs: compare a fingerprint of the tensor inputs across ranks on every forward and refuse a
             difference (True, the default); False skips it; "broadcast" uses rank 0's inputs on every rank.
+        timeout: seconds a rank waits for the others to join the job (default 60); before the process group is
+            made, the ranks also agree on device kind, dtype, mesh, checkpoint and check_inputs.
 
     Returns:
         The model, with `model.preshard_report` describing what was read and which hooks sit where.
 
     Raises:
         CorruptCheckpointError: a damaged or edited checkpoint (manifest, data files, config.json).
-        MismatchError: the model, its config or the job's world size disagrees with the checkpoint.
+        MismatchError: the model, its config or the job's world size disagrees with the checkpoint, or the ranks
+            were called with different arguments.
+        JobTimeoutError: a rank did not join within `timeout` seconds.
         UsageError, DeviceError, PlanError: bad arguments, an unavailable device, a plan that does not fit.
         Under torchrun, such an error that nothing catches prints as one line per rank, `error: rank R: ...`
         (`preshard.process.one_line_errors_under_torchrun`), and the job exits non-zero.
@@ -96,6 +103,7 @@ def load_sharded(
         return _load_sharded(
             model, checkpoint, mesh=mesh, cp=cp, ring=ring, ulysses=ulysses, order=order, device=device, dtype=dtype,
             verify=verify, revision=revision, token=token, subfolder=subfolder, check_inputs=check_inputs,
+            timeout=timeout,
         )  # fmt: skip
     except PreshardError:
         one_line_errors_under_torchrun()
@@ -106,12 +114,19 @@ def _load_sharded(
     model, checkpoint, *, mesh, cp, ring, ulysses, order, device, dtype, verify, revision, token, subfolder=None,
     check_inputs=True,
     place_buffers=True,
+    timeout=DEFAULT_TIMEOUT_S,
 ) -> nn.Module:  # fmt: skip
     """`load_sharded`, with a switch tests use to leave buffers where the model put them."""
     start = time.perf_counter()
-    cast = parse_cast(dtype, "dtype=")
-    input_mode = parse_mode(check_inputs)
-    rank_device = init_rank_device(device)  # first: a rank of a Hub checkpoint must know its TP coordinate
+    cast = input_mode = refused = None
+    try:
+        cast, input_mode = parse_cast(dtype, "dtype="), parse_mode(check_inputs)
+    except PreshardError as exc:  # told to the other ranks as they join, so that none waits for this one
+        refused = exc
+    # First, with a bounded wait: a rank of a Hub checkpoint must know its TP coordinate (preshard.runtime.rendezvous).
+    requests = {"dtype": cast and cast.name, "mesh": mesh.to_dict() if mesh else [cp, ring, ulysses, order],
+                "checkpoint": [str(checkpoint), subfolder, revision], "check_inputs": input_mode}  # fmt: skip
+    rank_device = join_job(device, requests, timeout=timeout, error=refused)
 
     # Open (and hold) everything this rank reads, then agree with the other ranks that it is the same checkpoint.
     held = commit = run_mesh = None
@@ -122,7 +137,10 @@ def _load_sharded(
     except Exception as exc:  # told to the other ranks first, so that none waits for this one
         error = exc
     try:
-        agree_on_checkpoint(rank_device, held and held.manifest.digest, commit, error, str(checkpoint))
+        digest = held and held.manifest.digest
+        agree_on_checkpoint(
+            rank_device, digest, commit, error, str(checkpoint), {"device": rank_device.kind, **requests}
+        )
         return _load_held(model, held, run_mesh, rank_device, cast, verify, place_buffers, start, input_mode)
     finally:
         if held is not None:

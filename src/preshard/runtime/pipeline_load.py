@@ -87,7 +87,7 @@ def load_pipeline(
     order: str | tuple[str, ...] | None = None,
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
-    verify: bool = False,
+    verify: bool = True,
     check_inputs: bool | str = True,
     revision: str | None = None,
     token: str | bool | None = None,

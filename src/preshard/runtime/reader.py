@@ -4,7 +4,9 @@ No pickle is read (neither `.metadata` nor the torch.save records): each chunk's
 bytes come in with positional reads, the framing into a small buffer and the bytes, on the CPU, into the
 parameter itself. The framing is compared with the one the manifest's dtype and shape imply, always: a
 manifest that disagrees with the files about a chunk's dtype, shape or position fails here by name instead
-of loading wrong weights. `verify=True` also checks each chunk's xxh3_64.
+of loading wrong weights. `verify=True` (load_sharded's default) also checks each chunk's xxh3_64: on the CPU each
+large chunk's pieces are hashed on `chunk_hashing`'s threads while the next pieces are read, on the staged path by
+the reader thread while the previous buffer is copied to the device.
 
 For an accelerator the bytes go through a small pool of reusable host buffers (pinned on CUDA): a reader
 thread fills the next buffer while the copy of the previous one to the device runs (asynchronously, on a
@@ -31,6 +33,7 @@ from preshard.format.fileio import byte_view, pread_into
 from preshard.format.folder import CheckpointFolder
 from preshard.format.layout import ChunkRecord
 from preshard.format.manifest import Manifest
+from preshard.runtime.chunk_hashing import INLINE_BYTES, PIECE_BYTES, ChunkHasher
 
 STAGING_BYTES = 32 << 20  # one host buffer
 STAGING_DEPTH = 3  # buffers in flight
@@ -175,8 +178,14 @@ class ShardReader:
                 self._read_empty(job[0])
                 continue
             (direct if self._direct(*job) else staged).append(job)
-        for chunk, target in direct:
-            self._read_direct(chunk, target)
+        if self.verify and any(c.data_length >= INLINE_BYTES for c, _ in direct):
+            with ChunkHasher() as hasher:  # each large chunk hashed beside the read of the next pieces
+                for chunk, target in direct:
+                    self._read_direct(chunk, target, hasher)
+                hasher.finish()
+        else:
+            for chunk, target in direct:
+                self._read_direct(chunk, target)
         if staged:
             self._read_staged(staged)
 
@@ -222,13 +231,26 @@ class ShardReader:
 
     # -- CPU: straight into the parameter
 
-    def _read_direct(self, chunk: ChunkRecord, target: torch.Tensor) -> None:
+    def _read_direct(self, chunk: ChunkRecord, target: torch.Tensor, hasher: ChunkHasher | None = None) -> None:
         header = bytearray(len(chunk.framing.header))
         data = byte_view(target)
-        pread_into(self.fds[chunk.file], chunk.offset, [header, data], str(self._where(chunk)))
-        self._check_framing(chunk, header)
-        if self.verify:
-            self._check_digest(chunk, xxhash.xxh3_64_hexdigest(data))
+        fd, where = self.fds[chunk.file], str(self._where(chunk))
+        if hasher is None or len(data) < INLINE_BYTES:
+            pread_into(fd, chunk.offset, [header, data], where)
+            self._check_framing(chunk, header)
+            if self.verify:
+                self._check_digest(chunk, xxhash.xxh3_64_hexdigest(data))
+        else:  # in pieces, each hashed on the hasher's thread while the next one is read
+            key = hasher.begin()
+            first = data[:PIECE_BYTES]
+            pread_into(fd, chunk.offset, [header, first], where)
+            self._check_framing(chunk, header)
+            hasher.update(key, first)
+            for start in range(PIECE_BYTES, len(data), PIECE_BYTES):
+                piece = data[start : start + PIECE_BYTES]
+                pread_into(fd, chunk.data_offset + start, [piece], where)
+                hasher.update(key, piece)
+            hasher.end(key, lambda digest, chunk=chunk: self._check_digest(chunk, digest))
         self._count(chunk)
 
     def _read_empty(self, chunk: ChunkRecord) -> None:

@@ -55,6 +55,7 @@ from preshard.errors import (
     SourceUnreachableError,
 )
 from preshard.format.jsonio import read_json
+from preshard.sources.hub_integrity import check_downloaded
 
 try:  # the HTTP client huggingface_hub 2.x is built on: its connection and timeout errors
     from httpx2 import TransportError
@@ -314,6 +315,7 @@ def _fetch(res: _Resolved, paths: list[str], token: str | bool | None) -> Path:
     for path in missing:
         if not (res.snapshot / path).is_file():
             raise SourceError(f"downloading {path} of {_where(res)} did not complete; retry")
+    check_downloaded(res.snapshot, missing, _where(res))  # the bytes the Hub described, before anything reads them
     return res.snapshot
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 from preshard.errors import SourceError, SourceNotFoundError
 from preshard.format.dtypes import DType
-from preshard.format.jsonio import read_json
+from preshard.format.folder import read_regular
+from preshard.format.jsonio import parse_json_text, read_json
 from preshard.sources.safetensors_file import SafetensorsHeader, TensorEntry, read_header
 
 if TYPE_CHECKING:
@@ -36,6 +38,7 @@ class CheckpointSource:
     hub: Any = None  # preshard.sources.hub.HubSnapshot for a Hub repo
     given: str = ""  # the source as the user spelled it
     extra: dict[str, Any] = field(default_factory=dict)
+    config_raw: bytes | None = None  # config.json's bytes as parsed: what is committed is what was planned from
 
     @property
     def total_bytes(self) -> int:
@@ -64,7 +67,11 @@ class CheckpointSource:
         return [h.path for h in self.files] + ([self.path] if self.kind == "folder" else [])
 
     def config_bytes(self) -> bytes | None:
-        return self.config_path.read_bytes() if self.config_path is not None else None
+        """config.json's bytes, read once when the source was opened (never again: a file edited or swapped for a
+        FIFO after planning cannot reach the output)."""
+        if self.config_raw is None and self.config_path is not None:
+            self.config_raw = self.config_path.read_bytes()  # a source built by hand, without the bytes
+        return self.config_raw
 
     def identity(self) -> str:
         """What must not change for a partial conversion of this source to be resumed (cheap: no data read)."""
@@ -177,10 +184,15 @@ def _weight_subfolders(folder: Path) -> list[str]:
 
 def _from_index(folder: Path, index_path: Path, given: str) -> CheckpointSource:
     fix = "it needs a 'weight_map' of tensor -> file"
-    index = read_json(index_path, index_path.name, SourceError, fix)
+    raw = _read_once(index_path, index_path.name, fix)  # its bytes are committed as read, never re-read
+    index = parse_json_text(raw, index_path.name, SourceError, fix)
+    if not isinstance(index, dict):
+        raise SourceError(f"{index_path.name} must hold a JSON object; {fix}")
     weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise SourceError(f"{index_path.name} is not a valid safetensors index; {fix}")
+    if not weight_map:
+        raise SourceError(f"{index_path.name} names no tensor (an empty weight_map): there is nothing to convert")
     headers = []
     for file_name in dict.fromkeys(weight_map.values()):
         file_path = folder / file_name
@@ -196,7 +208,10 @@ def _from_index(folder: Path, index_path: Path, given: str) -> CheckpointSource:
     if extra:
         raise SourceError(f"{extra[0]} is stored in {source.tensors[extra[0]].path.name} but not in {index_path.name}")
     source.index_name = index_path.name
-    source.index_text = index_path.read_bytes().decode("utf-8")  # as is: read_text would turn CRLF into LF
+    try:
+        source.index_text = raw.decode("utf-8")  # as is: read_text would turn CRLF into LF
+    except UnicodeDecodeError:
+        raise SourceError(f"{index_path.name} is not UTF-8 text; {fix}") from None
     return source
 
 
@@ -204,6 +219,20 @@ def read_config(config_path: Path) -> dict[str, Any]:
     """A model config.json: a JSON object whose `_class_name`, if present, is a string."""
     fix = "fix or remove it"
     config = read_json(config_path, f"{config_path.name} next to the weights", SourceError, fix)
+    return _checked_config(config, config_path)
+
+
+def config_from_bytes(raw: bytes, config_path: Path) -> dict[str, Any]:
+    """`read_config` of bytes already read."""
+    fix = "fix or remove it"
+    config = parse_json_text(raw, f"{config_path.name} next to the weights", SourceError, fix)
+    if not isinstance(config, dict):
+        raise SourceError(f"{config_path.name} next to the weights must hold a JSON object; {fix}")
+    return _checked_config(config, config_path)
+
+
+def _checked_config(config: dict[str, Any], config_path: Path) -> dict[str, Any]:
+    fix = "fix or remove it"
     if "_class_name" in config and not isinstance(config["_class_name"], str):
         raise SourceError(f"{config_path.name}: _class_name must be a string naming the model class; {fix}")
     return config
@@ -216,7 +245,26 @@ def _source(kind: str, path: Path, headers: list[SafetensorsHeader], config_path
             if name in tensors:
                 raise SourceError(f"tensor {name} is stored twice, in {tensors[name].path.name} and {header.path.name}")
             tensors[name] = entry
-    config = read_config(config_path) if config_path.exists() else None  # a FIFO or folder there: one line
+    if not tensors:
+        raise SourceError(f"source {path} holds no tensor: there is nothing to convert")
+    raw = config = None
+    if config_path.is_symlink() and not config_path.exists():
+        raise SourceError(
+            f"{config_path.name} next to the weights is a link to {os.readlink(config_path)}, which does not exist; "
+            "fix or remove the link"
+        )
+    if config_path.exists():  # a FIFO or folder there: one line, before anything waits on it
+        raw = _read_once(config_path, f"{config_path.name} next to the weights", "fix or remove it")
+        config = config_from_bytes(raw, config_path)
     return CheckpointSource(
-        kind, path, headers, tensors, config, config_path if config is not None else None, given=given
+        kind, path, headers, tensors, config, config_path if config is not None else None, given=given, config_raw=raw
     )
+
+
+def _read_once(path: Path, where: str, fix: str) -> bytes:
+    try:
+        return read_regular(path, where, SourceError, fix)  # a FIFO or device is refused before it is opened
+    except FileNotFoundError:
+        raise SourceError(f"{where} does not exist; {fix}") from None
+    except OSError as exc:
+        raise SourceError(f"{where} cannot be read ({exc.strerror or exc}); {fix}") from None

@@ -24,6 +24,7 @@ from typing import Any
 from preshard.errors import PlanError, UsageError
 from preshard.format.dtypes import DType, dtype_name, parse_cast
 from preshard.format.layout import FileLayout, TensorLayout, place_records
+from preshard.format.mesh import MAX_WORLD_SIZE
 from preshard.format.plan import Plan, resolve_plan, valid_tp_degrees
 from preshard.plans.model_class import check_cp_plan, is_transformers_config
 from preshard.plans.registry import choose_plan
@@ -31,6 +32,7 @@ from preshard.sources import CheckpointSource, HeaderSource, open_source_headers
 from preshard.units import human_bytes
 
 GIB = 1 << 30
+MAX_DEVICE_MEMORY_GIB = 1 << 20  # a PiB per device: past any accelerator, and finite
 # The recommended mesh leaves at least this share of each device's memory to what comes on top of the weights.
 HEADROOM = 0.2
 
@@ -125,7 +127,9 @@ def source_label(src: CheckpointSource | HeaderSource) -> str:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """n's divisors, ascending, in O(sqrt n) steps."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def _preferred_split(cp: int, local_heads: int | None) -> tuple[int, int]:
@@ -165,10 +169,18 @@ def plan_meshes(
     Raises:
         UsageError: a bad --devices, --device-memory or --dtype. SourceError, PlanError: as for a conversion.
     """
-    if devices is not None and (isinstance(devices, bool) or not isinstance(devices, int) or devices < 1):
-        raise UsageError(f"--devices must be a whole number >= 1, got {devices!r}")
-    if device_memory_gib is not None and not (isinstance(device_memory_gib, (int, float)) and device_memory_gib > 0):
-        raise UsageError(f"--device-memory must be a positive number of GiB, got {device_memory_gib!r}")
+    if devices is not None and (
+        isinstance(devices, bool) or not isinstance(devices, int) or not 1 <= devices <= MAX_WORLD_SIZE
+    ):
+        raise UsageError(f"--devices must be a whole number in 1..{MAX_WORLD_SIZE}, got {devices!r}")
+    if device_memory_gib is not None and not (
+        isinstance(device_memory_gib, (int, float))
+        and not isinstance(device_memory_gib, bool)
+        and 0 < device_memory_gib <= MAX_DEVICE_MEMORY_GIB
+    ):
+        raise UsageError(
+            f"--device-memory must be a number of GiB in (0, {MAX_DEVICE_MEMORY_GIB}], got {device_memory_gib!r}"
+        )
     cast = parse_cast(dtype)
     src = open_source_headers(source, subfolder=subfolder, revision=revision, token=token)
     chosen = choose_plan(plan, src.config)

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from preshard.errors import CheckpointNotFoundError, CorruptCheckpointError, UsageError
+from preshard.errors import CheckpointNotFoundError, CorruptCheckpointError, ManifestVersionError, UsageError
 from preshard.format.dcp_metadata import dcp_metadata_problems
 from preshard.format.fileio import byte_view, pread_into
 from preshard.format.folder import CheckpointFolder, read_fd
@@ -150,6 +150,8 @@ def verify_checkpoint(
     result = VerifyResult(str(path), source=str(source) if source is not None else None)
     try:
         manifest = read_manifest(path)
+    except ManifestVersionError:
+        raise  # not damage: another format, which this verify cannot judge
     except CorruptCheckpointError as exc:
         result.add(str(exc))
         return result
