@@ -206,7 +206,7 @@ def plan_conversion(
         from preshard.converter.lora import with_loras
 
         src = with_loras(src, loras, token=token)
-    chosen = choose_plan(plan, src.config)
+    chosen = choose_plan(plan, src.config, mesh.tp)
     layouts = resolve_plan(chosen, src.shapes(), mesh.tp, cast=cast, config=src.config or {})
     if mesh.cp > 1:
         chosen.check_cp_config(src.config)  # from config.json alone: also where the model check is skipped

@@ -28,6 +28,15 @@ def replicated_input_rowwise_forward(linear, x, tp_rank, tp, all_reduce) -> torc
     return _row_parallel(linear, x[..., tp_rank * width : (tp_rank + 1) * width], all_reduce)
 
 
+def kv_head_select_forward(linear, x, tp_rank, tp, all_reduce) -> torch.Tensor:
+    """A whole KV projection computing only this rank's KV head (`kv_head_select`): rows of head `r * heads // T`."""
+    heads = linear.preshard_style.blocks
+    width = linear.weight.shape[0] // heads
+    start = (tp_rank * heads // tp) * width
+    bias = None if linear.bias is None else linear.bias[start : start + width]
+    return F.linear(x, linear.weight[start : start + width], bias)
+
+
 def _computation_dtype(dtype: torch.dtype) -> torch.dtype:
     """float32 for 16-bit floats (as torch's own rms_norm upcasts), else the dtype itself."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype

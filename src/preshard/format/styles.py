@@ -172,8 +172,25 @@ class TPRMSNorm(Style):
         return None
 
 
+@dataclass(frozen=True)
+class KVHeadSelect(Style):
+    """A grouped key/value projection when TP exceeds its heads (`blocks` = its KV heads, which must divide T):
+    stored whole, read by every rank, and rank r computes only KV head `r * blocks // T`, the one its query heads
+    share. Splitting would give a rank part of a head; the weights are small (KV heads / query heads of q's).
+    """
+
+    name: ClassVar[str] = "kv_head_select"
+    packed: ClassVar[bool] = True  # `blocks` is the head count; nothing is split
+
+    def parallel_forward(self) -> Callable[..., Any]:
+        from preshard.format.style_forwards import kv_head_select_forward
+
+        return kv_head_select_forward
+
+
 STYLES: dict[str, type[Style]] = {
-    cls.name: cls for cls in (Style, Colwise, Rowwise, PackedColwise, PackedRowwise, ReplicatedInputRowwise, TPRMSNorm)
+    cls.name: cls
+    for cls in (Style, Colwise, Rowwise, PackedColwise, PackedRowwise, ReplicatedInputRowwise, TPRMSNorm, KVHeadSelect)
 }
 REPLICATE = Style()
 

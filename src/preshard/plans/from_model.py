@@ -30,7 +30,7 @@ from preshard.plans.model_check import (
     folded,
     is_attention,
 )
-from preshard.plans.model_class import check_cp_plan, declared_class, import_model_class
+from preshard.plans.model_class import check_cp_plan, declared_class, import_model_class, is_transformers_config
 
 # Where a class's `_cp_plan` splits several sequences that its attention joins, the order of the join (the
 # processors' `torch.cat([encoder_query, query])`): context parallelism needs it to drop each sequence's padding.
@@ -181,6 +181,11 @@ def check_plan_against_model(plan: Plan, config: dict[str, Any] | None, tp: int,
             by `tp`, with the TP degrees that work; a rule that does not fit; a module the plan leaves whole
             that must be split); a CP mesh with no CP plan anywhere.
     """
+    if is_transformers_config(config):
+        from preshard.plans.hf_transformers import check_transformers_plan  # torch and transformers
+
+        check_transformers_plan(plan, config or {}, cp)
+        return
     check_cp_plan(plan, config, cp)
     rules = [rule for rule in plan.attention if rule.divide]
     cls = declared_class(config) if rules or plan.linear else None

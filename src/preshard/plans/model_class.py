@@ -14,6 +14,20 @@ if TYPE_CHECKING:
     from preshard.format.plan import Plan
 
 
+def is_transformers_config(config: dict[str, Any] | None) -> bool:
+    """config.json of a transformers model: `architectures` (a list of class names) and `model_type`, and no
+    diffusers `_class_name`."""
+    config = config or {}
+    architectures = config.get("architectures")
+    return (
+        "_class_name" not in config
+        and isinstance(config.get("model_type"), str)
+        and isinstance(architectures, list)
+        and bool(architectures)
+        and all(isinstance(a, str) for a in architectures)
+    )
+
+
 def import_model_class(class_name: str) -> type:
     """`diffusers.<class_name>`.
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from preshard.errors import PlanError
 from preshard.format.jsonio import parse_json_text, read_json
 from preshard.format.plan import Plan
+from preshard.plans.model_class import is_transformers_config
 from preshard.plans.tensor_check import structure_shown_by_tensors
 
 if TYPE_CHECKING:
@@ -76,9 +77,11 @@ def vouched_for(plan: Plan, config: dict[str, Any] | None, layouts: Mapping[str,
     return structure_shown_by_tensors(plan, layouts)
 
 
-def choose_plan(plan: str | Path | Plan | None, config: dict[str, Any] | None) -> Plan:
+def choose_plan(plan: str | Path | Plan | None, config: dict[str, Any] | None, tp: int = 1) -> Plan:
     """The plan a conversion uses: the one given; else a built-in plan for config.json's `_class_name`; else the
-    plan the diffusers class declares (`_tp_plan`), read from the class built on the meta device.
+    plan the diffusers class declares (`_tp_plan`), read from the class built on the meta device; for a
+    transformers model (config.json's `architectures`), the plan inferred from its blocks at TP degree `tp`
+    (`hf_transformers`: grouped KV heads are split or kept whole depending on it).
 
     Raises:
         PlanError: no plan can be found (the message says how to give one), or the model class cannot be
@@ -92,6 +95,10 @@ def choose_plan(plan: str | Path | Plan | None, config: dict[str, Any] | None) -
     found = builtin_plan_for_class(class_name)
     if found is not None:
         return found
+    if is_transformers_config(config):
+        from preshard.plans.hf_transformers import plan_for_transformers  # torch and transformers
+
+        return plan_for_transformers(config or {}, tp)
     if not class_name:
         raise PlanError("no plan: the checkpoint has no config.json naming its model class; pass --plan NAME|FILE")
     from preshard.plans.from_model import plan_from_model_class

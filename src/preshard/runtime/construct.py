@@ -29,6 +29,7 @@ from preshard.format.jsonio import parse_json_text
 from preshard.format.manifest import Manifest
 from preshard.format.plan import matches
 from preshard.format.styles import TPRMSNorm
+from preshard.plans.model_class import is_transformers_config
 from preshard.units import plural
 
 
@@ -99,6 +100,10 @@ def build_model(
             raise MismatchError(
                 f"{checkpoint} has no config.json to build {model.__name__} from; pass a factory or an instance"
             )
+        if is_transformers_config(config):
+            from preshard.runtime.hf_model import build_transformers_model
+
+            return build_transformers_model(model, checkpoint, config, parameters_on_meta)
         declared = config.get("_class_name")
         if declared is None:
             raise MismatchError(

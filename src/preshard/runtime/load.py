@@ -30,6 +30,7 @@ from preshard.runtime.construct import (
 from preshard.runtime.devices import RankDevice, init_rank_device
 from preshard.runtime.groups import MeshGroups, build_groups
 from preshard.runtime.held import HeldCheckpoint
+from preshard.runtime.hf_model import localise_kv_groups, retie, tied_parameters
 from preshard.runtime.lora import attach_lora_loading
 from preshard.runtime.reader import ShardReader
 from preshard.runtime.report import REPORT_ATTRIBUTE, LoadReport
@@ -180,9 +181,12 @@ def _load_held(
         net = build_model(model, checkpoint, config)
         check_against_manifest(net, manifest)
         check_config(net, config)
+        aliases = tied_parameters(net)
         report = _new_report(rank_device, run_mesh, groups, checkpoint)
         sharded = localise(net, manifest)
         report.heads_divided = divide_heads(net, manifest)
+        for name, kv_groups in localise_kv_groups(net, manifest).items():
+            report.heads_divided.setdefault(name, []).append(f"num_key_value_groups={kv_groups}")
 
         keep_fp32 = list(getattr(type(net), "_keep_in_fp32_modules", None) or [])
         skipped = ignored_tensors(net, manifest)
@@ -205,6 +209,7 @@ def _load_held(
     agree_on_outcome(rank_device, error, held.replaced() if error is None else None)
     for name, local in locals_.items():
         _assign(net, name, local)
+    retie(net, aliases)
     report.bytes_read, report.chunks_read = reader.stats.bytes_read, reader.stats.chunks
     report.files_read, report.verified, report.read_seconds = reader.stats.files, verify, reader.stats.seconds
 

@@ -1,0 +1,285 @@
+"""TP plans for transformers models (the text encoders beside diffusers transformers), inferred from their modules.
+
+A checkpoint folder is a transformers model when its config.json names `architectures` and a `model_type` (and no
+diffusers `_class_name`). The class is built on the meta device from that config, and the plan is read from the
+blocks it is made of, not from its name:
+
+- attention: a module with Linear children `q_proj, k_proj, v_proj, o_proj` (Llama, Mistral, Gemma-3, Qwen2.5-VL,
+  Qwen3, Qwen3-VL) or `q, k, v, o` (T5, UMT5), and an integer `head_dim` (`key_value_proj_dim` for T5) giving the
+  heads: q/k/v colwise and o rowwise. Grouped KV heads are split with the query heads when T divides them; when
+  T exceeds them (and they divide T) k/v keep the `kv_head_select` style (whole, each rank computing the KV head
+  its query heads share). Head-count attributes on the module (`n_heads`, `num_heads`, `inner_dim`, ...) are
+  divided by T (T5 reshapes by `n_heads`); per-head norms (over `head_dim`) stay whole; T5/UMT5's
+  `relative_attention_bias` (an Embedding with one column per head) stays whole and each rank keeps its heads of
+  its output (`tp_split_outputs`). Anything else with weights inside the attention is refused, naming it.
+- feed-forward: Linear children `gate_proj, up_proj, down_proj` (SwiGLU), `wi_0, wi_1, wo` (T5 v1.1/UMT5 gated
+  GELU), `wi, wo` (T5): the input projections colwise, the output projection rowwise, when nothing else in the
+  module holds weights (a norm over the intermediate features would see a slice).
+- everything else stays whole: embeddings, final norms, `lm_head`, and every vision tower or projector (a path
+  component naming `vision`/`visual`/`multi_modal_projector`), which is always exact.
+
+transformers' own `base_model_tp_plan` (Llama, Mistral, Gemma-3, Qwen2.5-VL, Qwen3 declare one) is compared with
+what is inferred: the plan says it agrees, or which module it disagrees on; the inferred styles are what runs.
+Mixture-of-experts layers (experts not held as Linear children by these names) stay whole.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from preshard.errors import PlanError
+from preshard.format.plan import AttentionRule, LinearRule, Plan, SeqDim, matches
+from preshard.format.styles import Colwise, KVHeadSelect, Rowwise, Style
+from preshard.plans.model_check import folded, norm_size, rule_styles
+
+_ATTENTION_NAMES: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj", "o_proj"), ("q", "k", "v", "o"))
+_MLP_NAMES: tuple[tuple[str, ...], ...] = (("gate_proj", "up_proj", "down_proj"), ("wi_0", "wi_1", "wo"), ("wi", "wo"))
+_HEAD_ATTRIBUTES = ("num_heads", "n_heads", "num_attention_heads", "inner_dim")
+_KV_ATTRIBUTES = ("num_key_value_heads", "num_kv_heads")
+_REPLICATED_TOWERS = ("vision", "visual", "multi_modal_projector")
+
+
+def transformers_class(config: dict[str, Any]) -> type:
+    """`transformers.<architectures[0]>`.
+
+    Raises:
+        PlanError: transformers is not installed or has no such class.
+    """
+    name = config["architectures"][0]
+    try:
+        import transformers
+    except ImportError:
+        raise PlanError(
+            f"the checkpoint is a transformers model ({name}); planning it needs transformers: pip install "
+            "transformers, or pass --plan FILE"
+        ) from None
+    cls = getattr(transformers, name, None)
+    if not isinstance(cls, type) or not issubclass(cls, nn.Module):
+        raise PlanError(
+            f"transformers {transformers.__version__} has no model class {name} (config.json's architectures); "
+            "upgrade transformers, or pass --plan FILE"
+        )
+    return cls
+
+
+def transformers_config(cls: type, config: dict[str, Any]) -> Any:
+    """The class's config object from config.json's dict.
+
+    Raises:
+        PlanError: a config the config class rejects.
+    """
+    try:
+        return cls.config_class.from_dict(dict(config))  # type: ignore[attr-defined]
+    except Exception as exc:  # a config class rejects a config in arbitrary ways
+        raise PlanError(f"cannot read {cls.__name__}'s config from the checkpoint's config.json: {exc}") from None
+
+
+def build_transformers_on_meta(config: dict[str, Any]) -> nn.Module:
+    """The model config.json's `architectures` names, every tensor on the meta device.
+
+    Raises:
+        PlanError: transformers lacks the class, or the class rejects the config.
+    """
+    cls = transformers_class(config)
+    with torch.device("meta"):
+        return build_transformers(cls, config)
+
+
+def _linears(module: nn.Module, names: tuple[str, ...]) -> list[nn.Linear] | None:
+    found = [getattr(module, n, None) for n in names]
+    return found if all(isinstance(m, nn.Linear) for m in found) else None  # type: ignore[return-value]
+
+
+def _weighted_children(module: nn.Module, skip: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
+    return [
+        (name, child)
+        for name, child in module.named_children()
+        if name not in skip and any(True for _ in child.parameters())
+    ]
+
+
+def _works(value: int) -> str:
+    return ", ".join(str(d) for d in range(1, value + 1) if value % d == 0)
+
+
+class _Inferred:
+    """What inference found: a style per sharded Linear, attention rules, outputs to split."""
+
+    def __init__(self, tp: int) -> None:
+        self.tp = tp
+        self.styles: dict[str, Style] = {}
+        self.attention: dict[str, tuple[str, ...]] = {}
+        self.split_outputs: dict[str, dict[int, SeqDim]] = {}
+
+    def attention_block(self, name: str, module: nn.Module, names: tuple[str, ...], linears: list[nn.Linear]) -> None:
+        q, k, v, o = linears
+        head_dim = getattr(module, "head_dim", getattr(module, "key_value_proj_dim", None))
+        if not isinstance(head_dim, int) or head_dim <= 0 or q.out_features % head_dim:
+            raise PlanError(
+                f"{name} ({type(module).__name__}) has no integer head_dim dividing its query features, so its "
+                "heads cannot be split; pass a plan file (--plan FILE) or use --tp 1"
+            )
+        heads, kv_heads = q.out_features // head_dim, k.out_features // head_dim
+        if heads % self.tp:
+            raise PlanError(
+                f"--tp {self.tp} does not divide the {heads} attention heads of {name}; TP degrees that divide "
+                f"them: {_works(heads)}"
+            )
+        if kv_heads * head_dim != v.out_features or o.in_features != q.out_features or heads % max(kv_heads, 1):
+            raise PlanError(
+                f"{name} ({type(module).__name__}): its k/v/o widths do not fit {heads} heads of {head_dim}, so "
+                "inference cannot place them; pass a plan file (--plan FILE) or use --tp 1"
+            )
+        kv_style: Style = Colwise()
+        if kv_heads % self.tp:
+            if self.tp % kv_heads:
+                raise PlanError(
+                    f"--tp {self.tp} neither divides nor is a multiple of the {kv_heads} key/value heads of {name}; "
+                    f"TP degrees that work: divisors of {heads} that divide or are multiples of {kv_heads}"
+                )
+            kv_style = KVHeadSelect(blocks=kv_heads)
+        for projection, style in zip(names, (Colwise(), kv_style, kv_style, Rowwise())):
+            self.styles[f"{name}.{projection}"] = style
+        for child_name, child in _weighted_children(module, names):
+            full = f"{name}.{child_name}"
+            if child_name == "relative_attention_bias" and isinstance(child, nn.Embedding):
+                if child.embedding_dim != heads:
+                    raise PlanError(f"{full} has {child.embedding_dim} columns, not one per head of {name} ({heads})")
+                self.split_outputs[full] = {0: SeqDim(-1, 3)}
+            elif norm_size(child) != head_dim:
+                raise PlanError(
+                    f"{full} ({type(child).__name__}) holds weights inside the attention {name} that inference "
+                    "cannot place (not a per-head norm over head_dim); pass a plan file (--plan FILE) or use --tp 1"
+                )
+        divide = [a for a in _HEAD_ATTRIBUTES if isinstance(getattr(module, a, None), int)]
+        if isinstance(kv_style, Colwise):
+            divide += [a for a in _KV_ATTRIBUTES if isinstance(getattr(module, a, None), int)]
+        self.attention[name] = tuple(divide)
+
+    def mlp_block(self, name: str, module: nn.Module, names: tuple[str, ...], linears: list[nn.Linear]) -> None:
+        *inputs, output = linears
+        width = output.in_features
+        if any(m.out_features != width for m in inputs) or _weighted_children(module, names):
+            return  # not a plain elementwise feed-forward: left whole (exact)
+        if width % self.tp:
+            return  # an intermediate width the degree does not divide stays whole (exact)
+        for child in names[:-1]:
+            self.styles[f"{name}.{child}"] = Colwise()
+        self.styles[f"{name}.{names[-1]}"] = Rowwise()
+
+
+def infer(model: nn.Module, tp: int) -> _Inferred:
+    """Walk `model`'s modules and place every attention and feed-forward block (see the module docstring)."""
+    found = _Inferred(tp)
+    for name, module in model.named_modules():
+        if not name or any(t in part for part in name.split(".") for t in _REPLICATED_TOWERS):
+            continue
+        for names in _ATTENTION_NAMES:
+            linears = _linears(module, names)
+            if linears is not None:
+                found.attention_block(name, module, names, linears)
+                break
+        else:
+            for names in _MLP_NAMES:
+                linears = _linears(module, names)
+                if linears is not None:
+                    found.mlp_block(name, module, names, linears)
+                    break
+    return found
+
+
+def _folded_rules(styles: dict[str, Style], modules: list[str]) -> list[str]:
+    """Patterns with numbered blocks as `*` wherever every module a pattern matches has the same style."""
+    patterns: dict[str, None] = {}
+    for name, style in styles.items():
+        pattern = folded(name)
+        exact = all(styles.get(m) == style for m in modules if matches(pattern, m))
+        patterns[pattern if exact else name] = None
+    return list(patterns)
+
+
+def _agreement(cls: type, styles: dict[str, Style]) -> str:
+    """How transformers' `base_model_tp_plan` compares with the inferred styles, for the plan's description."""
+    declared = getattr(getattr(cls, "config_class", None), "base_model_tp_plan", None) or {}
+    linear = {k: v for k, v in declared.items() if v in ("colwise", "rowwise")}
+    if not linear:
+        return "transformers declares no base_model_tp_plan for its Linear layers"
+    for name, style in styles.items():
+        for pattern, value in linear.items():
+            if name == pattern or name.endswith("." + pattern) or matches("*." + pattern, name):
+                want = "colwise" if isinstance(style, Colwise) else "rowwise"
+                if isinstance(style, KVHeadSelect) or value == want:
+                    break
+                return f"transformers' base_model_tp_plan says {value} for {name}, inferred {style.name}"
+    return "agrees with transformers' base_model_tp_plan"
+
+
+def plan_for_transformers(config: dict[str, Any], tp: int = 1) -> Plan:
+    """The TP plan inferred for the transformers model config.json describes, at TP degree `tp` (grouped KV heads
+    are split or kept whole depending on it).
+
+    Raises:
+        PlanError: transformers lacks the class or rejects the config; a block inference cannot place at `tp`
+            (one line naming the module and why, with the degrees that work where a degree is the problem).
+    """
+    model = build_transformers_on_meta(config)
+    cls = type(model)
+    found = infer(model, tp)
+    names = [n for n, _ in model.named_modules() if n]
+    styles = {n: found.styles[n] for n in names if n in found.styles}
+    linear = [LinearRule(p, styles[next(n for n in names if matches(p, n) and n in styles)]) for p in
+              _folded_rules(styles, names)]  # fmt: skip
+    attention = [
+        AttentionRule(p, found.attention[next(n for n in names if matches(p, n) and n in found.attention)], False)
+        for p in _folded_rules({n: _Heads(d) for n, d in found.attention.items()}, names)
+    ]
+    split = {p: {0: SeqDim(-1, 3)} for p in _folded_rules({n: _Heads(("split",)) for n in found.split_outputs}, names)}
+    return Plan(
+        name=f"{cls.__name__}.inferred",
+        linear=tuple(linear),
+        attention=tuple(attention),
+        model_classes=(cls.__name__,),
+        description=f"inferred from {cls.__name__}'s modules at tp={tp}; {_agreement(cls, styles)}",
+        tp_split_outputs=split,
+        origin=f"the plan inferred for {cls.__name__}",
+    )
+
+
+class _Heads(Style):
+    """A stand-in style so attention rules fold like Linear rules (equal when their divided attributes are)."""
+
+    def __init__(self, divide: tuple[str, ...]) -> None:
+        object.__setattr__(self, "blocks", divide)
+
+
+def check_transformers_plan(plan: Plan, config: dict[str, Any], cp: int = 1) -> None:
+    """A plan (inferred, or a plan file) for a transformers model, against the model built on the meta device:
+    every rule fits the module it names (`model_check.rule_styles`); CP is refused (preshard runs encoders TP
+    only).
+
+    Raises:
+        PlanError: a CP mesh; a rule that does not fit, naming the module.
+    """
+    if cp > 1:
+        raise PlanError(
+            f"{plan.origin}: preshard runs transformers text encoders tensor parallel only, not context parallel "
+            f"(ring x ulysses = {cp}); use --cp 1"
+        )
+    rule_styles(plan, dict(build_transformers_on_meta(config).named_modules()))
+
+
+def build_transformers(cls: type, config: dict[str, Any]) -> nn.Module:
+    """`cls` built from config.json's dict (the caller chooses the device: the runtime puts parameters on meta and
+    keeps the buffers computed in `__init__`, the rotary tables).
+
+    Raises:
+        PlanError: the config class rejects the config, or the class rejects it.
+    """
+    hf_config = transformers_config(cls, config)
+    try:
+        return cls(hf_config)
+    except Exception as exc:  # a config the class rejects fails in arbitrary ways
+        raise PlanError(f"cannot build {cls.__name__} from the checkpoint's config.json: {exc}") from None

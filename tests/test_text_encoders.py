@@ -1,0 +1,191 @@
+"""transformers text encoders (the models beside the diffusers transformers) convert with no --plan, the plan inferred
+from their blocks (`preshard.plans.hf_transformers`), and, loaded by 2 gloo ranks, compute the unsharded model's last
+hidden state within 1e-5 (float32); grouped KV heads fewer than the TP degree are computed whole (tp4 over 2 KV heads);
+without the TP forwards the output differs; verify and unshard give back the source."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from multiproc import init_gloo, run_ranks
+from safetensors.torch import load_file
+
+from preshard.converter.convert import convert_checkpoint
+from preshard.errors import PlanError
+from preshard.format.manifest import read_manifest
+from preshard.tools.unshard import unshard_checkpoint
+from preshard.tools.verify import verify_checkpoint
+
+TOL = 1e-5  # float32
+TEXT = dict(
+    vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+)  # fmt: skip
+T5 = dict(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
+
+
+def _configs() -> dict:
+    """(class, config) for each family: 4 query heads over 2 KV heads where the family groups them."""
+    import transformers as tf
+
+    return {
+        "llama": (tf.LlamaModel, tf.LlamaConfig(**TEXT)),  # HunyuanVideo's LLaVA-Llama-3 text part
+        "mistral": (tf.MistralModel, tf.MistralConfig(**TEXT)),  # FLUX.2's Mistral-Small text part
+        "qwen3": (tf.Qwen3Model, tf.Qwen3Config(**TEXT)),
+        "qwen3vl_text": (tf.Qwen3VLTextModel, tf.Qwen3VLTextConfig(**TEXT)),  # MiniMax-H3's conditioner's text model
+        "gemma3_text": (tf.Gemma3TextModel, tf.Gemma3TextConfig(**TEXT, sliding_window=4)),  # LTX-2
+        "t5": (tf.T5EncoderModel, tf.T5Config(**T5, feed_forward_proj="gated-gelu")),  # Flux, SD3 (v1.1: gated)
+        "umt5": (tf.UMT5EncoderModel, tf.UMT5Config(**T5, feed_forward_proj="gated-gelu")),  # Wan
+    }
+
+
+NAMES = ["llama", "mistral", "qwen3", "qwen3vl_text", "gemma3_text", "t5", "umt5"]
+
+
+def build(name: str, seed: int = 0):
+    """(model in eval mode with seeded random float32 weights, input_ids)."""
+    cls, config = _configs()[name]
+    config._attn_implementation = "eager"  # repeat_kv by num_key_value_groups: what the KV head count must fit
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            scale = p.shape[-1] ** -0.5 if p.dim() > 1 else 0.1
+            p.copy_(torch.randn(p.shape, generator=g) * scale + (p.dim() == 1))
+    return model, torch.randint(0, 64, (2, 7), generator=g)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("text-encoders")
+    out = {}
+    for name in NAMES:
+        model, _ = build(name)
+        model.save_pretrained(root / f"src-{name}")
+        convert_checkpoint(root / f"src-{name}", root / name, tp=2, progress=False)  # no plan: inferred
+        out[name] = str(root / name)
+    model, _ = build("qwen3vl_text")
+    convert_checkpoint(root / "src-qwen3vl_text", root / "qwen3vl_text-tp4", tp=4, progress=False)
+    out["qwen3vl_text-tp4"] = str(root / "qwen3vl_text-tp4")
+    return out
+
+
+def _strip_tp(net: torch.nn.Module) -> None:
+    """The negative control: the same local shards, with the TP forwards (all-reduce, head select, output
+    slices) taken off."""
+    from preshard.runtime.tp import ParallelLinear, unparallelize_linear
+
+    for module in net.modules():
+        if isinstance(module, ParallelLinear):
+            unparallelize_linear(module)
+        module._forward_hooks.clear()
+
+
+def _rank(rank: int, world: int, checkpoints: dict[str, str], names: list[str]) -> dict:
+    from preshard.runtime.load import load_sharded
+
+    init_gloo()
+    results = {}
+    for name in names:
+        model, ids = build(name.removesuffix("-tp4"))
+        with torch.no_grad():
+            reference = model(input_ids=ids).last_hidden_state
+            net = load_sharded(type(model), checkpoints[name])
+            out = net(input_ids=ids).last_hidden_state
+            _strip_tp(net)
+            try:
+                bare = (net(input_ids=ids).last_hidden_state - reference).abs().max().item()
+            except RuntimeError:  # shapes that no longer fit are as good a sign
+                bare = float("inf")
+        report = net.preshard_report
+        results[name] = {
+            "diff": (out - reference).abs().max().item(),
+            "bare": bare,
+            "hooks": sorted({h for hooks in report.hooks.values() for h in hooks}),
+            "heads": dict(report.heads_divided),
+        }
+    return results
+
+
+@pytest.fixture(scope="module")
+def tp2(checkpoints):
+    return run_ranks(_rank, 2, checkpoints, NAMES, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def tp4(checkpoints):
+    return run_ranks(_rank, 4, checkpoints, ["qwen3vl_text-tp4"], timeout=300)
+
+
+def test_the_plan_is_inferred_by_block_kind(checkpoints):
+    manifest = read_manifest(checkpoints["llama"])
+    assert manifest.plan.name == "LlamaModel.inferred"
+    assert "agrees with transformers' base_model_tp_plan" in manifest.plan.description
+    styles = {name: record.layout.style.name for name, record in manifest.tensors.items()}
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        assert styles[f"layers.1.self_attn.{proj}.weight"] == "colwise"
+    assert styles["layers.0.self_attn.o_proj.weight"] == "rowwise"
+    assert styles["layers.0.mlp.gate_proj.weight"] == styles["layers.0.mlp.up_proj.weight"] == "colwise"
+    assert styles["layers.0.mlp.down_proj.weight"] == "rowwise"
+    assert styles["embed_tokens.weight"] == styles["norm.weight"] == "replicate"
+    gemma = read_manifest(checkpoints["gemma3_text"])  # per-head q/k norms stay whole
+    assert gemma.tensors["layers.0.self_attn.q_norm.weight"].layout.style.name == "replicate"
+    t5 = read_manifest(checkpoints["umt5"])  # heads divided, the per-head position bias sliced on every layer
+    bias = "encoder.block.*.layer.*.SelfAttention.relative_attention_bias"
+    assert list(t5.plan.tp_split_outputs) == [bias]
+    assert [r.divide for r in t5.plan.attention] == [("n_heads", "inner_dim")]
+    tp4 = read_manifest(checkpoints["qwen3vl_text-tp4"])  # 2 KV heads at tp4: whole, one head per rank
+    assert tp4.tensors["layers.0.self_attn.k_proj.weight"].layout.style.name == "kv_head_select"
+    assert tp4.tensors["layers.0.self_attn.q_proj.weight"].layout.style.name == "colwise"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_tp2_last_hidden_state_equals_unsharded(tp2, name):
+    for rank in tp2:
+        result = rank[name]
+        assert result["diff"] <= TOL, result["diff"]
+        assert any("all-reduce" in h for h in result["hooks"])
+        assert result["bare"] > 1e3 * TOL, "without the TP forwards the output must differ"
+
+
+def test_tp4_over_2_kv_heads_computes_each_ranks_kv_head(tp4):
+    for rank in tp4:
+        result = rank["qwen3vl_text-tp4"]
+        assert result["diff"] <= TOL, result["diff"]
+        assert result["bare"] > 1e3 * TOL
+        assert result["heads"]["layers.0.self_attn"] == ["num_key_value_groups=1"]
+
+
+def test_verify_and_unshard_give_back_the_source(checkpoints, tmp_path):
+    folder = Path(checkpoints["t5"])
+    source = folder.parent / "src-t5"
+    assert verify_checkpoint(folder, source=source).problems == []
+    unshard_checkpoint(folder, tmp_path / "back", progress=False)
+    back, original = load_file(tmp_path / "back" / "model.safetensors"), load_file(source / "model.safetensors")
+    assert back.keys() == original.keys() and all(torch.equal(back[k], original[k]) for k in back)
+
+
+@pytest.mark.quick
+def test_a_tp_degree_neither_dividing_nor_a_multiple_of_the_kv_heads_is_refused_naming_the_module(tmp_path):
+    from preshard.plans.hf_transformers import plan_for_transformers
+
+    config = json.loads(_configs()["llama"][1].to_json_string())
+    config.update(architectures=["LlamaModel"], num_attention_heads=6, num_key_value_heads=2, hidden_size=48)
+    with pytest.raises(PlanError, match=r"--tp 3 neither divides nor is a multiple of the 2 key/value heads of "
+                       r"layers\.0\.self_attn"):  # fmt: skip
+        plan_for_transformers(config, 3)
+    with pytest.raises(PlanError, match=r"--tp 4 does not divide the 6 attention heads of layers\.0\.self_attn"):
+        plan_for_transformers(config, 4)
+
+
+@pytest.mark.quick
+def test_a_context_parallel_mesh_is_refused_for_a_text_encoder(tmp_path):
+    model, _ = build("qwen3")
+    model.save_pretrained(tmp_path / "src")
+    with pytest.raises(PlanError, match="tensor parallel only, not context parallel"):
+        convert_checkpoint(tmp_path / "src", tmp_path / "out", tp=2, cp=2, progress=False)
+    assert not (tmp_path / "out").exists()
