@@ -41,7 +41,7 @@ RULES: dict[str, set[str]] = {
     "tools/planner.py": {"format", "plans", "sources", "converter", "tools/estimate.py", "tools/unshard.py"},
     "tools/estimate.py": {"format", "sources"},
     # a pipeline's plan: each component as the pipeline conversion treats it, sized by the planner
-    "tools/pipeline_plan.py": {"format", "sources", "converter", "tools/planner.py"},
+    "tools/pipeline_plan.py": {"format", "plans", "sources", "converter", "tools/planner.py"},
     "tools/reshard.py": {"format", "plans", "sources", "converter"},
     "tools/unshard.py": {"format", "sources", "converter"},
     "examples": {"examples"},
