@@ -24,6 +24,12 @@ TEXT = dict(
     vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
 )  # fmt: skip
+VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32)
+PIXTRAL = dict(
+    hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+)
+CLIP = dict(PIXTRAL, model_type="clip_vision_model")
+MROPE = {"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0}
 T5 = dict(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
 
 
@@ -32,17 +38,47 @@ def _configs() -> dict:
     import transformers as tf
 
     return {
-        "llama": (tf.LlamaModel, tf.LlamaConfig(**TEXT)),  # HunyuanVideo's LLaVA-Llama-3 text part
-        "mistral": (tf.MistralModel, tf.MistralConfig(**TEXT)),  # FLUX.2's Mistral-Small text part
-        "qwen3": (tf.Qwen3Model, tf.Qwen3Config(**TEXT)),
         "qwen3vl_text": (tf.Qwen3VLTextModel, tf.Qwen3VLTextConfig(**TEXT)),  # MiniMax-H3's conditioner's text model
-        "gemma3_text": (tf.Gemma3TextModel, tf.Gemma3TextConfig(**TEXT, sliding_window=4)),  # LTX-2
         "t5": (tf.T5EncoderModel, tf.T5Config(**T5, feed_forward_proj="gated-gelu")),  # Flux, SD3 (v1.1: gated)
         "umt5": (tf.UMT5EncoderModel, tf.UMT5Config(**T5, feed_forward_proj="gated-gelu")),  # Wan
+        # Whole vision-language models, as the pipelines hold them: the vision tower stays whole, the stored names
+        # (`model.layers.*`, `visual.*`) are renamed as transformers loads them (`model.language_model.layers.*`).
+        "qwen25vl": (  # QwenImage, HunyuanVideo 1.5
+            tf.Qwen2_5_VLForConditionalGeneration,
+            tf.Qwen2_5_VLConfig(
+                text_config=dict(TEXT, rope_parameters=MROPE), vision_config=dict(VISION, fullatt_block_indexes=[0])
+            ),
+        ),
+        "qwen3vl": (  # MiniMax-H3's conditioner
+            tf.Qwen3VLForConditionalGeneration,
+            tf.Qwen3VLConfig(
+                text_config=dict(TEXT, rope_parameters=dict(MROPE, mrope_interleaved=True)),
+                vision_config=dict(VISION, deepstack_visual_indexes=[0], num_position_embeddings=16),
+            ),
+        ),
+        "llava": (  # HunyuanVideo's LLaVA-Llama-3
+            tf.LlavaForConditionalGeneration,
+            tf.LlavaConfig(text_config=dict(TEXT, model_type="llama"), vision_config=dict(CLIP, projection_dim=16)),
+        ),
+        "mistral3": (  # FLUX.2's Mistral-Small 3
+            tf.Mistral3ForConditionalGeneration,
+            tf.Mistral3Config(text_config=dict(TEXT, model_type="mistral"), vision_config=dict(PIXTRAL, head_dim=8)),
+        ),
+        "gemma3": (  # LTX-2
+            tf.Gemma3ForConditionalGeneration,
+            tf.Gemma3Config(text_config=dict(TEXT, sliding_window=4), vision_config=PIXTRAL, mm_tokens_per_image=4),
+        ),
     }
 
 
-NAMES = ["llama", "mistral", "qwen3", "qwen3vl_text", "gemma3_text", "t5", "umt5"]
+NAMES = ["qwen3vl_text", "t5", "umt5", "qwen25vl", "qwen3vl", "llava", "mistral3", "gemma3"]
+
+
+def hidden(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The last hidden state (a vision-language model's: its last entry of `hidden_states`)."""
+    out = model(input_ids=ids, output_hidden_states=True)
+    last = getattr(out, "last_hidden_state", None)
+    return last if last is not None else out.hidden_states[-1]
 
 
 def build(name: str, seed: int = 0):
@@ -82,7 +118,9 @@ def _strip_tp(net: torch.nn.Module) -> None:
     for module in net.modules():
         if isinstance(module, ParallelLinear):
             unparallelize_linear(module)
-        module._forward_hooks.clear()
+        for key, hook in list(module._forward_hooks.items()):  # preshard's only: transformers records outputs by hooks
+            if getattr(hook, "__module__", "").startswith("preshard."):
+                del module._forward_hooks[key]
 
 
 def _rank(rank: int, world: int, checkpoints: dict[str, str], names: list[str]) -> dict:
@@ -93,12 +131,12 @@ def _rank(rank: int, world: int, checkpoints: dict[str, str], names: list[str]) 
     for name in names:
         model, ids = build(name.removesuffix("-tp4"))
         with torch.no_grad():
-            reference = model(input_ids=ids).last_hidden_state
+            reference = hidden(model, ids)
             net = load_sharded(type(model), checkpoints[name])
-            out = net(input_ids=ids).last_hidden_state
+            out = hidden(net, ids)
             _strip_tp(net)
             try:
-                bare = (net(input_ids=ids).last_hidden_state - reference).abs().max().item()
+                bare = (hidden(net, ids) - reference).abs().max().item()
             except RuntimeError:  # shapes that no longer fit are as good a sign
                 bare = float("inf")
         report = net.preshard_report
@@ -122,22 +160,30 @@ def tp4(checkpoints):
 
 
 def test_the_plan_is_inferred_by_block_kind(checkpoints):
-    manifest = read_manifest(checkpoints["llama"])
-    assert manifest.plan.name == "LlamaModel.inferred"
+    manifest = read_manifest(checkpoints["mistral3"])
+    assert manifest.plan.name == "Mistral3ForConditionalGeneration.inferred"
     assert "agrees with transformers' base_model_tp_plan" in manifest.plan.description
     styles = {name: record.layout.style.name for name, record in manifest.tensors.items()}
+    text = "model.language_model"
     for proj in ("q_proj", "k_proj", "v_proj"):
-        assert styles[f"layers.1.self_attn.{proj}.weight"] == "colwise"
-    assert styles["layers.0.self_attn.o_proj.weight"] == "rowwise"
-    assert styles["layers.0.mlp.gate_proj.weight"] == styles["layers.0.mlp.up_proj.weight"] == "colwise"
-    assert styles["layers.0.mlp.down_proj.weight"] == "rowwise"
-    assert styles["embed_tokens.weight"] == styles["norm.weight"] == "replicate"
-    gemma = read_manifest(checkpoints["gemma3_text"])  # per-head q/k norms stay whole
-    assert gemma.tensors["layers.0.self_attn.q_norm.weight"].layout.style.name == "replicate"
+        assert styles[f"{text}.layers.1.self_attn.{proj}.weight"] == "colwise"
+    assert styles[f"{text}.layers.0.self_attn.o_proj.weight"] == "rowwise"
+    assert styles[f"{text}.layers.0.mlp.gate_proj.weight"] == styles[f"{text}.layers.0.mlp.up_proj.weight"] == "colwise"
+    assert styles[f"{text}.layers.0.mlp.down_proj.weight"] == "rowwise"
+    assert styles[f"{text}.embed_tokens.weight"] == styles[f"{text}.norm.weight"] == "replicate"
+    pixtral = {s for n, s in styles.items() if n.startswith("model.vision_tower.")}  # q/k/v/o_proj, yet whole
+    assert pixtral == {"replicate"}
+    gemma = read_manifest(checkpoints["gemma3"])  # per-head q/k norms stay whole
+    assert gemma.tensors[f"{text}.layers.0.self_attn.q_norm.weight"].layout.style.name == "replicate"
     t5 = read_manifest(checkpoints["umt5"])  # heads divided, the per-head position bias sliced on every layer
     bias = "encoder.block.*.layer.*.SelfAttention.relative_attention_bias"
     assert list(t5.plan.tp_split_outputs) == [bias]
     assert [r.divide for r in t5.plan.attention] == [("n_heads", "inner_dim")]
+    vl = read_manifest(checkpoints["qwen3vl"])  # renamed as transformers loads it; the vision tower whole
+    assert vl.tensors["model.language_model.layers.0.self_attn.q_proj.weight"].layout.style.name == "colwise"
+    assert "model.layers.0.self_attn.q_proj.weight" not in vl.tensors
+    visual = [r.layout.style.name for n, r in vl.tensors.items() if n.startswith("model.visual.")]
+    assert visual and set(visual) == {"replicate"}
     tp4 = read_manifest(checkpoints["qwen3vl_text-tp4"])  # 2 KV heads at tp4: whole, one head per rank
     assert tp4.tensors["layers.0.self_attn.k_proj.weight"].layout.style.name == "kv_head_select"
     assert tp4.tensors["layers.0.self_attn.q_proj.weight"].layout.style.name == "colwise"
@@ -173,8 +219,8 @@ def test_verify_and_unshard_give_back_the_source(checkpoints, tmp_path):
 def test_a_tp_degree_neither_dividing_nor_a_multiple_of_the_kv_heads_is_refused_naming_the_module(tmp_path):
     from preshard.plans.hf_transformers import plan_for_transformers
 
-    config = json.loads(_configs()["llama"][1].to_json_string())
-    config.update(architectures=["LlamaModel"], num_attention_heads=6, num_key_value_heads=2, hidden_size=48)
+    config = json.loads(_configs()["qwen3vl_text"][1].to_json_string())
+    config.update(architectures=["Qwen3VLTextModel"], num_attention_heads=6, num_key_value_heads=2, hidden_size=48)
     with pytest.raises(PlanError, match=r"--tp 3 neither divides nor is a multiple of the 2 key/value heads of "
                        r"layers\.0\.self_attn"):  # fmt: skip
         plan_for_transformers(config, 3)
@@ -184,8 +230,29 @@ def test_a_tp_degree_neither_dividing_nor_a_multiple_of_the_kv_heads_is_refused_
 
 @pytest.mark.quick
 def test_a_context_parallel_mesh_is_refused_for_a_text_encoder(tmp_path):
-    model, _ = build("qwen3")
+    model, _ = build("qwen3vl_text")
     model.save_pretrained(tmp_path / "src")
     with pytest.raises(PlanError, match="tensor parallel only, not context parallel"):
         convert_checkpoint(tmp_path / "src", tmp_path / "out", tp=2, cp=2, progress=False)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.quick
+def test_the_planner_reads_a_renamed_checkpoint_and_lists_the_degrees_the_heads_allow(tmp_path):
+    from preshard.tools.planner import plan_meshes
+
+    model, _ = build("qwen25vl")
+    model.save_pretrained(tmp_path / "src")
+    assert "model.layers.0.self_attn.q_proj.weight" in load_file(tmp_path / "src" / "model.safetensors")
+    report = plan_meshes(tmp_path / "src")
+    assert report.tp_degrees == [1, 2, 4]  # 4 query heads over 2 KV heads: tp4 computes one KV head per rank
+
+
+def test_reshard_infers_the_plan_again_at_the_new_degree(checkpoints, tmp_path):
+    from preshard.tools.reshard import reshard_checkpoint
+
+    reshard_checkpoint(checkpoints["qwen3vl_text"], tmp_path / "tp4", tp=4, progress=False)
+    manifest = read_manifest(tmp_path / "tp4")  # 2 KV heads: split at tp2, computed whole at tp4
+    assert manifest.tensors["layers.0.self_attn.k_proj.weight"].layout.style.name == "kv_head_select"
+    reshard_checkpoint(checkpoints["qwen3vl"], tmp_path / "vl-tp1", tp=1, progress=False)  # module names kept
+    assert set(read_manifest(tmp_path / "vl-tp1").tensors) == set(read_manifest(checkpoints["qwen3vl"]).tensors)

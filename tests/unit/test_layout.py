@@ -144,7 +144,7 @@ def test_a_style_on_a_tensor_that_is_not_a_linear_weight_or_bias_is_refused():
 
 
 def test_every_style_is_registered_once_with_its_dims():
-    assert set(STYLES) == set(STYLE_NAMES)
+    assert set(STYLES) == {*STYLE_NAMES, "kv_head_select"}  # the last needs blocks and splits nothing: below
     dims = {name: (cls().shard_dim("weight"), cls().shard_dim("bias")) for name, cls in STYLES.items()}
     assert dims == {
         "replicate": (None, None),
@@ -154,4 +154,21 @@ def test_every_style_is_registered_once_with_its_dims():
         "packed_rowwise": (1, None),
         "replicated_input_rowwise": (1, None),
         "tp_rms_norm": (0, 0),
+        "kv_head_select": (None, None),
     }
+
+
+def test_kv_head_select_is_stored_once_and_each_rank_computes_the_kv_head_its_query_heads_share():
+    from preshard.format.style_forwards import kv_head_select_forward
+
+    style = make_style("kv_head_select", 2)  # 2 KV heads of 3 features, at tp=4
+    layout = TensorLayout.make("m.weight", style, (6, 5), torch.float32, torch.float32)
+    assert layout.shard_dim is None and layout.local_shape(4) == (6, 5)
+    assert [owner for owner, _ in layout.all_boxes(4)] == [None]
+    linear = torch.nn.Linear(5, 6)
+    linear.preshard_style = style
+    x = torch.randn(2, 5)
+    full = linear(x)
+    for rank, head in zip(range(4), (0, 0, 1, 1)):
+        got = kv_head_select_forward(linear, x, rank, 4, None)
+        assert torch.equal(got, full[:, 3 * head : 3 * head + 3])

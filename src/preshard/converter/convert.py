@@ -57,6 +57,7 @@ from preshard.format.manifest import (
 from preshard.format.mesh import MeshSpec
 from preshard.format.plan import Plan, resolve_plan
 from preshard.format.torch_record import RECORD_FRAMING_VERSION
+from preshard.plans.model_class import is_transformers_config
 from preshard.plans.registry import choose_plan, vouched_for
 from preshard.progress import Progress
 from preshard.sources import ConversionSource, SourceRows, open_source
@@ -178,6 +179,16 @@ def finished_conversion(job: ConversionPlan, output: Path) -> Manifest | None:
     return manifest
 
 
+def as_loaded_names(src: ConversionSource) -> ConversionSource:
+    """A transformers checkpoint under the names its model's modules have (transformers renames some keys on
+    load: `hf_transformers.checkpoint_renames`); the source itself where none differs."""
+    from preshard.plans.hf_transformers import checkpoint_renames  # torch and transformers
+    from preshard.sources.renamed import RenamedSource
+
+    renames = checkpoint_renames(src.config or {}, list(src.shapes()))
+    return RenamedSource(src, renames) if renames else src
+
+
 def plan_conversion(
     source: str | Path | ConversionSource,
     *,
@@ -202,6 +213,8 @@ def plan_conversion(
         src = open_source(source, subfolder=subfolder, revision=revision, token=token)
     else:
         src = source
+    if is_transformers_config(src.config):
+        src = as_loaded_names(src)
     if loras:
         from preshard.converter.lora import with_loras
 

@@ -25,6 +25,7 @@ Mixture-of-experts layers (experts not held as Linear children by these names) s
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -191,19 +192,23 @@ def infer(model: nn.Module, tp: int) -> _Inferred:
     return found
 
 
-def _folded_rules(styles: dict[str, Style], modules: list[str]) -> list[str]:
-    """Patterns with numbered blocks as `*` wherever every module a pattern matches has the same style."""
+def _folded_rules(values: Mapping[str, object], modules: list[str]) -> list[str]:
+    """Patterns with numbered blocks as `*` wherever every module a pattern matches has the same value (a style,
+    the attributes an attention rule divides)."""
     patterns: dict[str, None] = {}
-    for name, style in styles.items():
+    for name, value in values.items():
         pattern = folded(name)
-        exact = all(styles.get(m) == style for m in modules if matches(pattern, m))
+        exact = all(values.get(m) == value for m in modules if matches(pattern, m))
         patterns[pattern if exact else name] = None
     return list(patterns)
 
 
-def _agreement(cls: type, styles: dict[str, Style]) -> str:
-    """How transformers' `base_model_tp_plan` compares with the inferred styles, for the plan's description."""
-    declared = getattr(getattr(cls, "config_class", None), "base_model_tp_plan", None) or {}
+def _agreement(model: nn.Module, styles: dict[str, Style]) -> str:
+    """How transformers' `base_model_tp_plan` (the model's own, else its text model's) compares with the inferred
+    styles, for the plan's description."""
+    config: Any = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else None
+    declared = getattr(config, "base_model_tp_plan", None) or getattr(text, "base_model_tp_plan", None) or {}
     linear = {k: v for k, v in declared.items() if v in ("colwise", "rowwise")}
     if not linear:
         return "transformers declares no base_model_tp_plan for its Linear layers"
@@ -234,25 +239,18 @@ def plan_for_transformers(config: dict[str, Any], tp: int = 1) -> Plan:
               _folded_rules(styles, names)]  # fmt: skip
     attention = [
         AttentionRule(p, found.attention[next(n for n in names if matches(p, n) and n in found.attention)], False)
-        for p in _folded_rules({n: _Heads(d) for n, d in found.attention.items()}, names)
+        for p in _folded_rules(found.attention, names)
     ]
-    split = {p: {0: SeqDim(-1, 3)} for p in _folded_rules({n: _Heads(("split",)) for n in found.split_outputs}, names)}
+    split = {p: {0: SeqDim(-1, 3)} for p in _folded_rules(dict.fromkeys(found.split_outputs, True), names)}
     return Plan(
         name=f"{cls.__name__}.inferred",
         linear=tuple(linear),
         attention=tuple(attention),
         model_classes=(cls.__name__,),
-        description=f"inferred from {cls.__name__}'s modules at tp={tp}; {_agreement(cls, styles)}",
+        description=f"inferred from {cls.__name__}'s modules at tp={tp}; {_agreement(model, styles)}",
         tp_split_outputs=split,
         origin=f"the plan inferred for {cls.__name__}",
     )
-
-
-class _Heads(Style):
-    """A stand-in style so attention rules fold like Linear rules (equal when their divided attributes are)."""
-
-    def __init__(self, divide: tuple[str, ...]) -> None:
-        object.__setattr__(self, "blocks", divide)
 
 
 def check_transformers_plan(plan: Plan, config: dict[str, Any], cp: int = 1) -> None:
@@ -283,3 +281,50 @@ def build_transformers(cls: type, config: dict[str, Any]) -> nn.Module:
         return cls(hf_config)
     except Exception as exc:  # a config the class rejects fails in arbitrary ways
         raise PlanError(f"cannot build {cls.__name__} from the checkpoint's config.json: {exc}") from None
+
+
+def checkpoint_renames(config: dict[str, Any], names: list[str]) -> dict[str, str]:
+    """Checkpoint tensor name -> the module path it loads into, for the names that differ: transformers renames
+    keys on load (Qwen2.5-VL's and Qwen3-VL's `model.layers.*` -> `model.language_model.layers.*`, LLaVA's
+    `language_model.*`, a base-model prefix added or dropped), with its own mapping
+    (`get_model_conversion_mapping`) applied to the model built on the meta device.
+
+    Raises:
+        PlanError: a tensor transformers converts rather than renames (fused or split on load, as MoE experts
+            are), which preshard cannot shard as stored; naming it.
+    """
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    model = build_transformers_on_meta(config)
+    transforms = get_model_conversion_mapping(model)  # type: ignore[arg-type]  # a PreTrainedModel
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    expected = model.state_dict()
+    prefix = getattr(model, "base_model_prefix", None) or None
+    renames: dict[str, str] = {}
+    for name in names:
+        if name in expected:  # already a module's name (a converted checkpoint read back to reshard)
+            continue
+        target, converted = rename_source_key(name, renamings, converters, prefix, expected)
+        if converted is not None:
+            raise PlanError(
+                f"{name}: transformers converts this tensor on load ({converted}), rather than loading it as stored, "
+                f"so preshard cannot shard {type(model).__name__} as stored; convert it with transformers first"
+            )
+        if target != name:
+            renames[name] = target
+    return renames
+
+
+def workable_degrees(config: dict[str, Any], candidates: list[int]) -> list[int]:
+    """The TP degrees among `candidates` the inference places every block at (one meta build for all)."""
+    model = build_transformers_on_meta(config)
+    works = []
+    for tp in candidates:
+        try:
+            infer(model, tp)
+        except PlanError:
+            continue
+        works.append(tp)
+    return works

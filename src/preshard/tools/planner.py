@@ -27,7 +27,7 @@ from preshard.format.dtypes import DType, dtype_name, parse_cast
 from preshard.format.layout import FileLayout, TensorLayout, place_records
 from preshard.format.mesh import MeshSpec
 from preshard.format.plan import Plan, resolve_plan, valid_tp_degrees
-from preshard.plans.model_class import check_cp_plan
+from preshard.plans.model_class import check_cp_plan, is_transformers_config
 from preshard.plans.registry import choose_plan
 from preshard.sources import CheckpointSource, HeaderSource, open_source_headers
 from preshard.tools.estimate import Estimate, Probe, Work, estimate, input_cached, probe, timed_check
@@ -175,8 +175,16 @@ def plan_meshes(
     src = open_source_headers(source, subfolder=subfolder, revision=revision, token=token)
     chosen = choose_plan(plan, src.config)
     shapes, order, config = src.shapes(), src.read_order(), src.config or {}
+    if is_transformers_config(config):  # under the names the model's modules have, as the converter reads them
+        from preshard.plans.hf_transformers import checkpoint_renames, workable_degrees
+
+        renames = checkpoint_renames(config, list(shapes))
+        shapes = {renames.get(n, n): v for n, v in shapes.items()}
+        order = [renames.get(n, n) for n in order]
     whole = resolve_plan(chosen, shapes, 1, cast=cast, config=config, check_divisible=False)
     degrees = valid_tp_degrees(chosen, whole, config)
+    if is_transformers_config(config):  # the heads decide, at each degree (KV heads split or computed whole)
+        degrees = workable_degrees(config, degrees)
     memory = int(device_memory_gib * GIB) if device_memory_gib is not None else None
     heads = config.get("num_attention_heads")
     heads = heads if isinstance(heads, int) and not isinstance(heads, bool) else None

@@ -35,7 +35,8 @@ from preshard.format.dcp_metadata import write_dcp_metadata
 from preshard.format.jsonio import fsync_file, write_json_atomic
 from preshard.format.manifest import DCP_METADATA_NAME, MANIFEST_NAME, FileRecord, Manifest, created_now
 from preshard.format.mesh import MeshSpec
-from preshard.plans.model_class import check_cp_plan
+from preshard.format.plan import Plan
+from preshard.plans.model_class import check_cp_plan, is_transformers_config
 from preshard.sources.presharded import PreshardedSource, open_presharded
 from preshard.units import human_bytes
 
@@ -99,7 +100,10 @@ def reshard_checkpoint(
         if source.manifest.mesh.cp == 1:
             check_cp_plan(source.manifest.plan, source.config, new_mesh.cp)
         return _relink(source, output, new_mesh, overwrite=overwrite, wait=wait)
-    job = plan_conversion(source, mesh=new_mesh, plan=source.manifest.plan, dtype=source.manifest.dtype)
+    plan: Plan | None = source.manifest.plan
+    if is_transformers_config(source.config) and plan is not None and plan.name.endswith(".inferred"):
+        plan = None  # inferred again at the new degree: grouped KV heads are split or kept whole depending on it
+    job = plan_conversion(source, mesh=new_mesh, plan=plan, dtype=source.manifest.dtype)
     if workers > 1:
         return run_workers(
             write_conversion, job, output, workers=workers, overwrite=overwrite, wait=wait, progress=progress
