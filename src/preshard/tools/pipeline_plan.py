@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from preshard.converter.convert import resolve_mesh
+from preshard.converter.convert import as_loaded_names, resolve_mesh
 from preshard.converter.left_out import is_left_out
 from preshard.converter.pipeline_folder import (
     ComponentChoice,
@@ -90,7 +90,7 @@ def _text_encoder_per_rank(folder: Path, degrees: Iterable[int], dtype: Any, kee
     from preshard.plans.registry import choose_plan
     from preshard.sources import open_source_headers
 
-    src = open_source_headers(folder)
+    src = as_loaded_names(open_source_headers(folder))  # the names the model's modules have, as converted
     cast = parse_cast(dtype)
     config = src.config or {}
     shapes = {n: s for n, s in src.shapes().items() if keep is None or not is_left_out(n, keep)}
