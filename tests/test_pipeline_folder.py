@@ -430,6 +430,7 @@ def _conditioner_run(folder: Path, want: dict, ulysses: int) -> dict:
     }
 
 
+@pytest.mark.quick
 def test_the_conditioner_sharded_is_recorded_and_copied_nowhere(conditioner_sharded):
     from preshard.format.manifest import read_manifest
     from preshard.format.pipeline_record import read_pipeline_record
@@ -467,3 +468,30 @@ def test_a_text_encoder_above_the_threshold_is_sharded_by_default(sources):
     assert _component_mesh(encoder.record, encoder.folder, job) == MeshSpec.build(2)
     transformer = planned["transformer"]
     assert _component_mesh(transformer.record, transformer.folder, job) == job
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    "bad,message",
+    [
+        ({"keep_layers": 0}, "keep_layers must be between 1 and layers"),
+        ({"keep_layers": 60}, "keep_layers must be between 1 and layers"),
+        ({"modules": "lm_head"}, "modules must be a list"),
+        ({"tensors": -1}, "tensors must be a whole number"),
+        ({"extra": 1}, "unknown field 'extra'"),
+    ],
+)
+def test_a_bad_left_out_record_is_refused(conditioner_sharded, tmp_path, bad, message):
+    """`source.left_out` is validated like every manifest field, even resealed (the digest recomputed)."""
+    import shutil
+
+    from manifests import edit_manifest
+
+    from preshard.errors import CorruptCheckpointError
+    from preshard.format.manifest import read_manifest
+
+    folder = tmp_path / "text_encoder"
+    shutil.copytree(conditioner_sharded / "text_encoder", folder)
+    edit_manifest(folder, lambda data: data["source"]["left_out"].update(bad))
+    with pytest.raises(CorruptCheckpointError, match=message):
+        read_manifest(folder)
