@@ -256,3 +256,40 @@ def test_reshard_infers_the_plan_again_at_the_new_degree(checkpoints, tmp_path):
     assert manifest.tensors["layers.0.self_attn.k_proj.weight"].layout.style.name == "kv_head_select"
     reshard_checkpoint(checkpoints["qwen3vl"], tmp_path / "vl-tp1", tp=1, progress=False)  # module names kept
     assert set(read_manifest(tmp_path / "vl-tp1").tensors) == set(read_manifest(checkpoints["qwen3vl"]).tensors)
+
+
+@pytest.mark.quick
+def test_weights_inside_attention_that_inference_cannot_place_are_refused_naming_the_module():
+    from torch import nn
+
+    from preshard.plans.hf_transformers import infer
+
+    class Attention(nn.Module):  # OLMo-2's q/k norm: across every head at once, which TP would split
+        def __init__(self) -> None:
+            super().__init__()
+            self.head_dim = 8
+            self.q_proj, self.k_proj, self.v_proj = nn.Linear(32, 32), nn.Linear(32, 16), nn.Linear(32, 16)
+            self.o_proj, self.q_norm = nn.Linear(32, 32), nn.RMSNorm(32)
+
+    model = nn.Sequential(Attention())
+    with pytest.raises(PlanError, match=r"0\.q_norm \(RMSNorm\) holds weights inside the attention 0 that inference"):
+        infer(model, 2)
+    assert infer(model, 1).styles["0.q_proj"].name == "colwise"  # at tp=1 the same walk places it; nothing splits
+
+
+@pytest.mark.quick
+def test_another_models_class_is_refused_at_load(tmp_path):
+    import transformers as tf
+
+    from preshard.errors import MismatchError
+    from preshard.runtime.construct import build_model
+
+    model, _ = build("qwen3vl_text")
+    model.save_pretrained(tmp_path / "src")
+    config = json.loads((tmp_path / "src" / "config.json").read_text())
+    with pytest.raises(
+        MismatchError, match=r"holds a Qwen3VLTextModel checkpoint \(qwen3_vl_text\), not T5EncoderModel"
+    ):
+        build_model(tf.T5EncoderModel, tmp_path / "src", config)
+    built = build_model(type(model), tmp_path / "src", config)
+    assert not built.training and next(built.parameters()).device.type == "meta"

@@ -171,4 +171,4 @@ def test_kv_head_select_is_stored_once_and_each_rank_computes_the_kv_head_its_qu
     full = linear(x)
     for rank, head in zip(range(4), (0, 0, 1, 1)):
         got = kv_head_select_forward(linear, x, rank, 4, None)
-        assert torch.equal(got, full[:, 3 * head : 3 * head + 3])
+        torch.testing.assert_close(got, full[:, 3 * head : 3 * head + 3], rtol=0, atol=1e-6)  # another head: O(1)

@@ -150,7 +150,7 @@ class _Inferred:
                 if child.embedding_dim != heads:
                     raise PlanError(f"{full} has {child.embedding_dim} columns, not one per head of {name} ({heads})")
                 self.split_outputs[full] = {0: SeqDim(-1, 3)}
-            elif norm_size(child) != head_dim:
+            elif norm_size(child) != head_dim and self.tp > 1:  # at tp=1 nothing is split
                 raise PlanError(
                     f"{full} ({type(child).__name__}) holds weights inside the attention {name} that inference "
                     "cannot place (not a per-head norm over head_dim); pass a plan file (--plan FILE) or use --tp 1"
