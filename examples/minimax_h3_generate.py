@@ -1,7 +1,8 @@
 """MiniMax-H3 text-to-video-and-audio generation with a pre-sharded transformer, in every rank of a torchrun job.
 
-With the whole pipeline converted in one command (the transformer sharded, the conditioner kept whole without the
-decoder layers MiniMax-H3 never reads, the rest copied) and loaded in one call (`preshard.load_pipeline`):
+With the whole pipeline converted in one command (the transformer and the conditioner sharded, the conditioner
+without the decoder layers MiniMax-H3 never reads, the rest copied) and loaded in one call (`preshard.load_pipeline`;
+the conditioner runs TP over the transformer's TP ranks, replicated over the Ulysses groups):
 
     convert-checkpoint ./MiniMax-H3 ./h3-tp4 --tp 4
     torchrun --nproc-per-node 8 examples/minimax_h3_generate.py --converted ./h3-tp4 --ulysses 2 \

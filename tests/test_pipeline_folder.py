@@ -2,7 +2,8 @@
 MiniMax-H3 modular t2va pipeline folder (`modular_model_index.json`), both built offline, converted by one
 `convert-checkpoint PIPELINE OUT --tp 2` each; `load_pipeline` on 2 gloo ranks (tp=2) and on 4 (tp=2 x ulysses=2)
 gives every rank the unsharded pipeline's latents within 1e-5, with the transformer really sharded (its hooks and
-reads counted).
+reads counted); the H3 pipeline with its conditioner sharded too (TP2, replicated over the ulysses pair), its head
+left out before sharding and recorded in its manifest.
 
 Also: the copy is complete (every file of every component kept whole is in OUT, byte for byte, and the index is
 the source's), per-component choices (skip, whole, tp=N, refused ones), a re-run that finds the job finished, an
@@ -74,7 +75,7 @@ def _max_diff(got: dict, want: dict) -> float:
     return max((got[k].float() - want[k].float()).abs().max().item() for k in want)
 
 
-def _rank(rank: int, world: int, converted: dict, refs: dict, ulysses: int) -> dict:
+def _rank(rank: int, world: int, converted: dict, refs: dict, ulysses: int, conditioner: Path) -> dict:
     from preshard.examples import minimax_h3_pipeline as h3
     from preshard.runtime.pipeline_load import load_pipeline
 
@@ -105,12 +106,24 @@ def _rank(rank: int, world: int, converted: dict, refs: dict, ulysses: int) -> d
         "sharded": sorted(pipe.preshard_sharded_components),
         "text_encoder": type(pipe.text_encoder).__name__,
     }
+    results["conditioner"] = _conditioner_run(conditioner, refs["h3"], ulysses)
     return results
 
 
 @pytest.mark.parametrize("world,ulysses", [(2, 1), (4, 2)], ids=["tp2", "tp2-ulysses2"])
-def test_load_pipeline_gives_the_unsharded_latents(converted, references, world, ulysses):
-    for rank, results in enumerate(run_ranks(_rank, world, converted, references, ulysses, timeout=600)):
+def test_load_pipeline_gives_the_unsharded_latents(converted, conditioner_sharded, references, world, ulysses):
+    """Also the H3 pipeline with its conditioner sharded (TP2; on tp2 x ulysses2 replicated over the ulysses pair:
+    no CP hook in it): latents within 1e-5, and sharded, not a whole copy: its TP hooks counted and q_proj holding
+    half the rows (the negative control: a whole encoder has neither); a later hidden state refused in one line."""
+    ranks = run_ranks(_rank, world, converted, references, ulysses, conditioner_sharded, timeout=600)
+    for rank, results in enumerate(ranks):
+        r = results["conditioner"]
+        assert r["diff"] <= TOL, (rank, r["diff"])
+        assert r["calls"] >= 1 and r["sharded"] == ["text_encoder", "transformer"]
+        assert r["tp_hooks"] > 0 and r["cp_hooks"] == 0
+        assert r["q_rows"] * 2 == r["q_rows_whole"]
+        assert r["left_out"] == ("lm_head",)
+        assert "was left out of this conversion" in r["refused"] and "\n" not in r["refused"]
         wan, h3 = results["wan"], results["h3"]
         assert wan["diff"] <= TOL and h3["diff"] <= TOL, (rank, wan["diff"], h3["diff"])
         assert wan["calls"] == 2  # the pipeline ran the sharded transformer, twice
@@ -322,7 +335,7 @@ def test_the_conditioner_without_its_unread_layers(tmp_path):
         tmp_path / "src", tmp_path / "all", tp=1, progress=False, keep_layers=["text_encoder:all"]
     )
     assert kept_all.components["text_encoder"].left_out is None
-    with pytest.raises(UsageError, match="applies to a component copied whole"):
+    with pytest.raises(UsageError, match="applies to a text encoder"):
         convert_pipeline(tmp_path / "src", tmp_path / "no", tp=1, progress=False, keep_layers=["transformer:3"])
 
 
@@ -366,3 +379,117 @@ def test_a_converted_pipeline_loads_from_the_hub(sources, references, tmp_path, 
     with pytest.raises(CheckpointNotFoundError, match="could not be fetched from the Hub") as info:
         load_pipeline("org/no-such-pipeline")
     assert "\n" not in str(info.value)
+
+
+@pytest.fixture(scope="module")
+def conditioner_sharded(sources, tmp_path_factory) -> Path:
+    """The tiny H3 pipeline with its conditioner sharded too (`--component text_encoder:tp=2`), its head left out
+    before sharding (the pipeline documents hidden_states[50]: 51 layers kept, of 51, and no lm_head)."""
+    from clitools import cli_runner
+
+    from preshard.cli import convert_checkpoint_command
+
+    out = tmp_path_factory.mktemp("conditioner") / "h3"
+    args = [str(sources["h3"]), str(out), "--tp", "2", "--component", "text_encoder:tp=2", "--no-progress", "--json"]
+    run = cli_runner().invoke(convert_checkpoint_command, args)
+    assert run.exit_code == 0, run.stderr
+    return out
+
+
+def _conditioner_run(folder: Path, want: dict, ulysses: int) -> dict:
+    """In a rank of `_rank`'s job: the H3 pipeline with its conditioner sharded, run and inspected."""
+    from preshard.errors import UsageError
+    from preshard.examples import minimax_h3_pipeline as h3
+    from preshard.runtime.pipeline_load import load_pipeline
+
+    processor = h3.build_text_components()["processor"]
+    pipe = load_pipeline(folder, ulysses=ulysses, components={"processor": processor}, blocks=h3.pipeline_blocks())
+    encoder = pipe.text_encoder
+    calls: list[int] = []
+    encoder.model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    diff = _max_diff(h3.generate(pipe), want)
+    report = pipe.preshard_sharded_components["text_encoder"]
+    q_proj = encoder.model.language_model.layers[0].self_attn.q_proj
+    try:
+        encoder.model(input_ids=torch.tensor([[1, 2, 3]]), output_hidden_states=True).hidden_states[51]
+        refused = ""
+    except UsageError as exc:
+        refused = str(exc)
+    return {
+        "diff": diff,
+        "calls": len(calls),
+        "sharded": sorted(pipe.preshard_sharded_components),
+        "tp_hooks": len(report.modules_with("tp:")),
+        "cp_hooks": len(report.modules_with("cp:")),
+        "q_rows": q_proj.weight.shape[0],
+        "q_rows_whole": encoder.config.text_config.num_attention_heads * encoder.config.text_config.head_dim,
+        "left_out": encoder.preshard_left_out.names,
+        "refused": refused,
+    }
+
+
+@pytest.mark.quick
+def test_the_conditioner_sharded_is_recorded_and_copied_nowhere(conditioner_sharded):
+    from preshard.format.manifest import read_manifest
+    from preshard.format.pipeline_record import read_pipeline_record
+
+    record = read_pipeline_record(conditioner_sharded)
+    assert record is not None
+    encoder = record.components["text_encoder"]
+    assert (encoder.treatment, encoder.tp) == ("sharded", 2)
+    manifest = read_manifest(conditioner_sharded / "text_encoder")
+    assert manifest.mesh.world_size == 2 and manifest.source.left_out == encoder.left_out  # TP only, recorded
+    assert encoder.left_out is not None and encoder.left_out.names == ("lm_head",)
+    assert not any(n.startswith("lm_head") for n in manifest.tensors)
+    assert manifest.source.path.endswith("text_encoder") and ".kept" not in manifest.source.path
+    assert not list(conditioner_sharded.glob(".*")) and not list(
+        (conditioner_sharded / "text_encoder").glob("*.safetensors")
+    )
+
+
+@pytest.mark.quick
+def test_a_text_encoder_above_the_threshold_is_sharded_by_default(sources):
+    """Below `SHARD_TEXT_ENCODER_BYTES` the tiny conditioner is copied whole; with a threshold under its size it is
+    sharded, TP only on a tp2 x ulysses2 job (its mesh has no CP axis: the plan has none for it)."""
+    from preshard.converter.pipeline_folder import SHARD_TEXT_ENCODER_BYTES, _component_mesh, plan_pipeline
+    from preshard.format.mesh import MeshSpec
+    from preshard.format.pipeline_record import read_pipeline_index
+
+    index = read_pipeline_index(sources["h3"])
+    assert index is not None
+    job = MeshSpec.build(2, ulysses=2)
+    whole = {p.record.name: p for p in plan_pipeline(sources["h3"], index, job, {})}
+    assert whole["text_encoder"].record.treatment == "whole" and SHARD_TEXT_ENCODER_BYTES == 16 << 30
+    planned = {p.record.name: p for p in plan_pipeline(sources["h3"], index, job, {}, text_encoder_bytes=0)}
+    encoder = planned["text_encoder"]
+    assert (encoder.record.treatment, encoder.record.tp) == ("sharded", 2)
+    assert _component_mesh(encoder.record, encoder.folder, job) == MeshSpec.build(2)
+    transformer = planned["transformer"]
+    assert _component_mesh(transformer.record, transformer.folder, job) == job
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    "bad,message",
+    [
+        ({"keep_layers": 0}, "keep_layers must be between 1 and layers"),
+        ({"keep_layers": 60}, "keep_layers must be between 1 and layers"),
+        ({"modules": "lm_head"}, "modules must be a list"),
+        ({"tensors": -1}, "tensors must be a whole number"),
+        ({"extra": 1}, "unknown field 'extra'"),
+    ],
+)
+def test_a_bad_left_out_record_is_refused(conditioner_sharded, tmp_path, bad, message):
+    """`source.left_out` is validated like every manifest field, even resealed (the digest recomputed)."""
+    import shutil
+
+    from manifests import edit_manifest
+
+    from preshard.errors import CorruptCheckpointError
+    from preshard.format.manifest import read_manifest
+
+    folder = tmp_path / "text_encoder"
+    shutil.copytree(conditioner_sharded / "text_encoder", folder)
+    edit_manifest(folder, lambda data: data["source"]["left_out"].update(bad))
+    with pytest.raises(CorruptCheckpointError, match=message):
+        read_manifest(folder)

@@ -250,7 +250,7 @@ class _ConvertCommand(Command):
     multiple=True,
     metavar="NAME:CHOICE",
     help="For a pipeline folder: NAME:tp=N shards it at TP degree N, NAME:whole copies it, NAME:skip leaves it out "
-    "(default: transformers sharded, the rest copied). Repeatable.",
+    "(default: transformers and text encoders over 16 GiB sharded, the rest copied). Repeatable.",
 )
 @click.option(
     "--keep-layers",

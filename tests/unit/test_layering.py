@@ -40,7 +40,7 @@ RULES: dict[str, set[str]] = {
     "tools/planner.py": {"format", "plans", "sources", "converter"},
     "tools/estimate.py": {"format", "sources"},
     # a pipeline's plan: each component as the pipeline conversion treats it, sized by the planner
-    "tools/pipeline_plan.py": {"format", "sources", "converter", "tools/planner.py"},
+    "tools/pipeline_plan.py": {"format", "plans", "sources", "converter", "tools/planner.py"},
     # --show-plan: the plan a conversion would choose, written as a plan file.
     "tools/show_plan.py": {"format", "plans", "sources"},
     # the dry runs: convert's and what they share here, reshard's and unshard's beside their tools

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from preshard.errors import UsageError
+from preshard.format.manifest import Source
 from preshard.format.pipeline_record import LeftOut
 from preshard.sources.safetensors_file import read_header
 
@@ -161,3 +162,22 @@ def copy_keeping_layers(source: Path, target: Path, keep: int) -> LeftOut | None
     (target / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     modules = sorted({n.split(".")[0] for n in dropped if n.startswith(_HEADS)})
     return LeftOut(keep, layers, len(dropped), sum(e.nbytes for e in dropped.values()), tuple(modules))
+
+
+class KeptLayersSource:
+    """A text encoder's kept layers (the copy `copy_keeping_layers` wrote) as a conversion source that records, in
+    the manifest, the source it came from and what was left out (`source.left_out`): a sharded text encoder
+    refuses what it lacks as a whole one does (`runtime/left_out.py`). Everything else is the copy's."""
+
+    def __init__(self, base: Any, left: LeftOut, origin: str) -> None:
+        self.base, self.left, self.origin = base, left, origin
+
+    def source_record(self, file_hashes: dict[str, str]) -> Source:
+        from dataclasses import replace
+
+        return replace(self.base.source_record(file_hashes), path=self.origin, left_out=self.left)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "base":
+            raise AttributeError(name)
+        return getattr(self.base, name)

@@ -6,9 +6,13 @@ pipelines' `modular_model_index.json`) and decides per component:
 - **sharded**: a diffusers model with a plan (a built-in plan for its class, or a class whose name says it is a
   transformer: its own `_tp_plan` is read at conversion), e.g. Wan 2.2's `transformer` and `transformer_2`. It is
   converted by `convert_checkpoint` into `OUT/<component>/`, with its own manifest and plan.
-- **whole**: everything else with files (VAE, text encoders, schedulers, tokenizers, processors) is copied as it
-  is, so that OUT is a pipeline folder again. Text encoders are copied whole in this version (a transformers
-  model has no preshard plan yet).
+- **sharded, TP only**: a transformers text encoder with more than `SHARD_TEXT_ENCODER_BYTES` of weights (or any
+  one the user names with `NAME:tp=N`), its plan inferred from its blocks (`plans/hf_transformers.py`). It is
+  converted for TP alone (at load it runs TP over the transformer's TP ranks, replicated across the CP groups);
+  `--keep-layers` applies first: the kept layers are written to a hidden copy in the working folder (removed
+  before the commit), which is converted, and what was left out is recorded in its manifest (`source.left_out`).
+- **whole**: everything else with files (VAE, smaller text encoders, schedulers, tokenizers, processors) is
+  copied as it is, so that OUT is a pipeline folder again.
 - **skipped**: a component the user leaves out (`NAME:skip`); the output's index names it `[null, null]`, which
   diffusers loads as None.
 
@@ -37,7 +41,7 @@ from preshard.converter.convert import (
     plan_conversion,
     resolve_mesh,
 )
-from preshard.converter.left_out import copy_keeping_layers, documented_keep, parse_keep_layers
+from preshard.converter.left_out import KeptLayersSource, copy_keeping_layers, documented_keep, parse_keep_layers
 from preshard.converter.workdir import (
     JOB_NAME,
     OutputKind,
@@ -50,7 +54,7 @@ from preshard.converter.workdir import (
 )
 from preshard.errors import PreshardError, SourceError, SourceNotFoundError, UsageError
 from preshard.format.jsonio import dumps_indented, fsync_file
-from preshard.format.manifest import CONFIG_NAME, created_now
+from preshard.format.manifest import CONFIG_NAME, MANIFEST_NAME, created_now
 from preshard.format.mesh import MeshSpec
 from preshard.format.pipeline_record import (
     PIPELINE_RECORD_NAME,
@@ -63,8 +67,14 @@ from preshard.format.pipeline_record import (
     read_pipeline_record,
 )
 from preshard.format.publish import fsync_dir
+from preshard.plans.model_class import is_transformers_config
 from preshard.plans.registry import builtin_plan_for_class
+from preshard.sources import open_source
 
+# A transformers text encoder above this (its safetensors bytes) is sharded by default: 16 GiB shards FLUX.2's
+# Mistral (48 GB), LTX-2's Gemma-3 12B (24 GB) and MiniMax-H3's Qwen3-VL (62 GiB), and leaves T5-XXL's and UMT5-XXL's
+# encoders (9-11 GB) whole, which fit beside a transformer shard on an 80 GiB GPU.
+SHARD_TEXT_ENCODER_BYTES = 16 << 30
 PIPELINE = OutputKind(f"a converted pipeline (it has no {PIPELINE_RECORD_NAME})", is_pipeline_record)
 CHOICE_HELP = "NAME:tp=N (shard at TP degree N), NAME:whole (copy it as it is) or NAME:skip (leave it out)"
 
@@ -115,17 +125,46 @@ def _weights_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
 
 
-def _shards_by_default(library: str, class_name: str, folder: Path) -> bool:
-    """A diffusers model with a plan: a built-in one for its class, or a transformer class (its own `_tp_plan`)."""
-    if library != "diffusers" or not (folder / CONFIG_NAME).is_file() or not _weights_bytes(folder):
+def is_text_encoder(library: str, folder: Path) -> bool:
+    """A transformers model (its config.json says so), sharded with TP only."""
+    if library != "transformers" or not (folder / CONFIG_NAME).is_file():
+        return False
+    try:
+        config = json.loads((folder / CONFIG_NAME).read_text())
+    except ValueError:
+        return False
+    return is_transformers_config(config if isinstance(config, dict) else None)
+
+
+def _shards_by_default(library: str, class_name: str, folder: Path, text_encoder_bytes: int) -> bool:
+    """A diffusers model with a plan (a built-in one for its class, or a transformer class: its own `_tp_plan`),
+    or a transformers text encoder above `text_encoder_bytes`."""
+    if not (folder / CONFIG_NAME).is_file() or not _weights_bytes(folder):
+        return False
+    if library == "transformers":
+        return _weights_bytes(folder) > text_encoder_bytes and is_text_encoder(library, folder)
+    if library != "diffusers":
         return False
     return builtin_plan_for_class(class_name) is not None or "Transformer" in class_name
 
 
+def _component_mesh(record: ComponentRecord, folder: Path | None, job_mesh: MeshSpec) -> MeshSpec:
+    """A diffusers component's mesh is the job's (its TP degree changed where the user chose one); a text
+    encoder's is TP alone."""
+    assert record.tp is not None
+    if folder is not None and is_text_encoder(record.library, folder):
+        return MeshSpec.build(record.tp)
+    return job_mesh if record.tp == job_mesh.tp else MeshSpec.build(record.tp)
+
+
 def plan_pipeline(
-    source: Path, index: PipelineIndex, mesh: MeshSpec, choices: dict[str, ComponentChoice]
+    source: Path,
+    index: PipelineIndex,
+    mesh: MeshSpec,
+    choices: dict[str, ComponentChoice],
+    text_encoder_bytes: int = SHARD_TEXT_ENCODER_BYTES,
 ) -> list[ComponentPlan]:
-    """Every component's treatment, the user's choices applied.
+    """Every component's treatment, the user's choices applied (text encoders above `text_encoder_bytes` sharded).
 
     Raises:
         UsageError: a choice names no component of the pipeline, or asks to shard one that has no weights.
@@ -154,7 +193,8 @@ def plan_pipeline(
             planned.append(ComponentPlan(ComponentRecord(c.name, c.library, c.class_name, "skipped"), None))
             continue
         if choice is None:
-            choice = ComponentChoice("sharded" if _shards_by_default(c.library, c.class_name, folder) else "whole")
+            shard = _shards_by_default(c.library, c.class_name, folder, text_encoder_bytes)
+            choice = ComponentChoice("sharded" if shard else "whole")
         tp = None
         if choice.treatment == "sharded":
             if not _weights_bytes(folder) and not any(folder.glob("*.safetensors.index.json")):
@@ -232,19 +272,26 @@ def _output_index(index: PipelineIndex, planned: list[ComponentPlan]) -> str:
 def layers_to_keep(
     index: PipelineIndex, planned: list[ComponentPlan], given: Iterable[str] | dict[str, int | None] | None
 ) -> dict[str, int]:
-    """Layers to keep per whole component: the user's `--keep-layers`, else what the pipeline documents."""
+    """Layers to keep per text encoder (copied whole or sharded): the user's `--keep-layers`, else what the pipeline
+    documents."""
     asked = dict(given) if isinstance(given, dict) else dict(parse_keep_layers(t) for t in (given or []))
     by_name = {p.record.name: p for p in planned}
     keeps: dict[str, int] = {}
+
+    def applies(p: ComponentPlan) -> bool:
+        return p.record.treatment == "whole" or (
+            p.record.treatment == "sharded" and p.folder is not None and is_text_encoder(p.record.library, p.folder)
+        )
+
     for name, keep in asked.items():
         p = by_name.get(name)
-        if p is None or p.record.treatment != "whole":
+        if p is None or not applies(p):
             what = "no such component" if p is None else f"{name} is {p.record.treatment}"
-            raise UsageError(f"--keep-layers {name}: {what}; it applies to a component copied whole (a text encoder)")
+            raise UsageError(f"--keep-layers {name}: {what}; it applies to a text encoder (copied whole or sharded)")
         if keep is not None:
             keeps[name] = keep
     for p in planned:
-        if p.record.name not in asked and p.record.treatment == "whole":
+        if p.record.name not in asked and applies(p):
             documented = documented_keep(index.pipeline_class, p.record.name, index.data)
             if documented is not None:
                 keeps[p.record.name] = documented
@@ -267,7 +314,12 @@ def _finished_pipeline(
         if p.folder is None or p.record.treatment == "skipped":
             continue
         if p.record.treatment == "sharded":
-            component_mesh = mesh if p.record.tp == mesh.tp else MeshSpec.build(p.record.tp)
+            existing = record.components.get(p.record.name)
+            if existing is not None and existing.left_out is not None:  # converted from its kept copy, since removed:
+                if not (output / p.record.name / MANIFEST_NAME).is_file():  # its manifest must be there (the job key
+                    return None  # holds the choice; the source is not re-read)
+                continue
+            component_mesh = _component_mesh(p.record, p.folder, mesh)
             conversion = plan_conversion(
                 src, mesh=component_mesh, plan=plan, dtype=dtype, subfolder=p.record.name, check_model=False
             )
@@ -308,6 +360,7 @@ def convert_pipeline(
     outcomes: dict[str, ConversionOutcome] | None = None,
     keep_layers: Iterable[str] | dict[str, int | None] | None = None,
     on_tensor: Callable[[str], None] | None = None,
+    text_encoder_bytes: int = SHARD_TEXT_ENCODER_BYTES,
 ) -> PipelineRecord:
     """Convert a diffusers pipeline folder into OUT: sharded components converted, the rest copied.
 
@@ -327,6 +380,10 @@ def convert_pipeline(
             the rest and its head (`converter/left_out.py`); `NAME:all` (None) leaves nothing out. Default: where the
             pipeline documents the hidden state it reads (MiniMax-H3: hidden_states[50], so 51 layers of 64).
         on_tensor: as `convert_checkpoint`, for each sharded component's tensors.
+            pipeline documents the hidden state it reads (MiniMax-H3: hidden_states[50], so 51 layers of 64). A
+            sharded text encoder has its layers left out before it is sharded (recorded in its manifest).
+        text_encoder_bytes: a transformers text encoder with more weight bytes than this is sharded (TP only)
+            unless `components` says otherwise (default `SHARD_TEXT_ENCODER_BYTES`, 16 GiB).
 
     Returns:
         The pipeline record written to `output/preshard_pipeline.json`.
@@ -351,7 +408,7 @@ def convert_pipeline(
         choices = dict(components)
     else:
         choices = dict(parse_component_choice(text) for text in components)
-    planned = plan_pipeline(src, index, job_mesh, choices)
+    planned = plan_pipeline(src, index, job_mesh, choices, text_encoder_bytes)
     keeps = layers_to_keep(index, planned, keep_layers)
     sharded = [p for p in planned if p.record.treatment == "sharded"]
     if plan is not None and len(sharded) != 1:
@@ -380,10 +437,18 @@ def convert_pipeline(
             if p.record.treatment == "whole":
                 left_out[p.record.name] = _copy_once(p.folder, target, work, keeps.get(p.record.name))
                 continue
-            component_mesh = job_mesh if p.record.tp == job_mesh.tp else MeshSpec.build(p.record.tp)
+            component_mesh = _component_mesh(p.record, p.folder, job_mesh)
+            keep = keeps.get(p.record.name)
+            left = _copy_once(p.folder, work / f".{p.record.name}.kept", work, keep) if keep is not None else None
+            left_out[p.record.name] = left
+            if left is None:
+                shutil.rmtree(work / f".{p.record.name}.kept", ignore_errors=True)
+            component_source: Any = src
+            if left is not None:
+                component_source = KeptLayersSource(open_source(work / f".{p.record.name}.kept"), left, str(p.folder))
             convert_checkpoint(
-                src, target, mesh=component_mesh, subfolder=p.record.name, plan=plan, dtype=dtype,
-                progress=progress, workers=min(workers, component_mesh.tp),
+                component_source, target, mesh=component_mesh, subfolder=p.record.name if left is None else None,
+                plan=plan, dtype=dtype, progress=progress, workers=min(workers, component_mesh.tp),
                 outcome=outcomes.setdefault(p.record.name, ConversionOutcome()) if outcomes is not None else None,
                 on_tensor=on_tensor,
             )  # fmt: skip
@@ -403,6 +468,8 @@ def convert_pipeline(
         (work / JOB_NAME).unlink(missing_ok=True)
         for marker in work.glob(".*.copied"):
             marker.unlink()
+        for kept in work.glob(".*.kept"):  # the text encoders' kept layers, converted: not part of the output
+            shutil.rmtree(kept)
         path = work / PIPELINE_RECORD_NAME  # last: a partial folder without it is never mistaken for an output
         path.write_text(dumps_indented(record.to_dict()) + "\n")
         fsync_file(path)

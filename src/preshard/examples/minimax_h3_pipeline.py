@@ -198,6 +198,7 @@ def write_full_size_pipeline(folder: str | Path) -> Path:
         model = Qwen3VLForConditionalGeneration(conditioner)
     specs = {name: ("BF16", tuple(t.shape)) for name, t in model.state_dict().items()}
     write_safetensors_checkpoint(folder / "text_encoder", specs, {}, data="hole")
+    conditioner.architectures = ["Qwen3VLForConditionalGeneration"]  # as the real config.json names it
     conditioner.save_pretrained(folder / "text_encoder")  # transformers' config.json over the placeholder
     for name, shift in (("scheduler", 12.0), ("audio_scheduler", 3.0)):
         (folder / name).mkdir(exist_ok=True)

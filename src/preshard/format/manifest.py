@@ -40,6 +40,7 @@ from preshard.format.folder import CheckpointFolder
 from preshard.format.jsonio import canonical_json, parse_json_text
 from preshard.format.layout import INT64_MAX, ChunkRecord, TensorLayout, data_file_name, fits_int64
 from preshard.format.mesh import MeshSpec
+from preshard.format.pipeline_record import LeftOut
 from preshard.format.plan import Plan, resolve_plan
 from preshard.format.styles import make_style
 from preshard.format.torch_record import RECORD_FRAMING_VERSION, record_framing
@@ -184,6 +185,7 @@ class Source:
     revision: str | None = None  # as requested
     commit: str | None = None  # as resolved
     loras: tuple[LoraRecord, ...] = ()  # fused at conversion, in the order applied; absent from the JSON when none
+    left_out: LeftOut | None = None  # decoder layers and head left out before sharding (--keep-layers); absent: none
 
     def lora_tensors(self) -> set[str]:
         """The tensors a fused LoRA changed: they no longer equal the source's."""
@@ -269,6 +271,7 @@ class Manifest:
                 "revision": source.revision, "commit": source.commit,
                 "files": [vars(f).copy() for f in source.files],
                 **({"loras": [lora.to_dict() for lora in source.loras]} if source.loras else {}),
+                **({"left_out": source.left_out.to_dict()} if source.left_out is not None else {}),
             },
             "derived_from": vars(self.derived_from).copy() if self.derived_from else None,
             "mesh": self.mesh.to_dict(),
@@ -641,7 +644,7 @@ class _Parser:
 
     def source(self, value: Any) -> Source:
         keys = {"kind", "path", "files", "index_name", "index_text", "repo_id", "subfolder", "revision", "commit"}
-        s = self.obj(value, "source", keys, {"loras"})
+        s = self.obj(value, "source", keys, {"loras", "left_out"})
         if s["kind"] not in SOURCE_KINDS:
             raise self.bad(f"source kind {s['kind']!r} is not one of {', '.join(SOURCE_KINDS)}")
         if not isinstance(s["files"], list):
@@ -661,9 +664,22 @@ class _Parser:
         if optional["index_name"] is not None:
             self.plain_name(optional["index_name"], "source index_name")
         loras = self.loras(s["loras"]) if "loras" in s else ()
+        left_out = self.left_out(s["left_out"]) if "left_out" in s else None
         return Source(
-            kind=s["kind"], path=self.str(s["path"], "source path"), files=tuple(files), loras=loras, **optional
-        )
+            kind=s["kind"], path=self.str(s["path"], "source path"), files=tuple(files), loras=loras,
+            left_out=left_out, **optional,
+        )  # fmt: skip
+
+    def left_out(self, value: Any) -> LeftOut:
+        keys = {"keep_layers", "layers", "tensors", "bytes", "modules"}
+        v = self.obj(value, "source left_out", keys)
+        counts = {k: self.int(v[k], f"source left_out {k}") for k in ("keep_layers", "layers", "tensors", "bytes")}
+        if not 1 <= counts["keep_layers"] <= counts["layers"]:
+            raise self.bad("source left_out keep_layers must be between 1 and layers")
+        modules = v["modules"]
+        if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
+            raise self.bad("source left_out modules must be a list of module names")
+        return LeftOut(counts["keep_layers"], counts["layers"], counts["tensors"], counts["bytes"], tuple(modules))
 
     def number(self, value: Any, where: str) -> float:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):

@@ -33,6 +33,7 @@ from preshard.runtime.devices import RankDevice
 from preshard.runtime.groups import MeshGroups, build_groups
 from preshard.runtime.held import HeldCheckpoint
 from preshard.runtime.hf_model import localise_kv_groups, retie, tied_parameters
+from preshard.runtime.left_out import guard_left_out
 from preshard.runtime.lora import attach_lora_loading
 from preshard.runtime.reader import ShardReader
 from preshard.runtime.rendezvous import DEFAULT_TIMEOUT_S, join_job
@@ -59,6 +60,7 @@ def load_sharded(
     subfolder: str | None = None,
     check_inputs: bool | str = True,
     timeout: float = DEFAULT_TIMEOUT_S,
+    replicate_over_cp: bool = False,
 ) -> nn.Module:
     """Load this rank's shard of a converted checkpoint into `model`, with the TP and CP hooks attached.
 
@@ -86,6 +88,9 @@ def load_sharded(
             difference (True, the default); False skips it; "broadcast" uses rank 0's inputs on every rank.
         timeout: seconds a rank waits for the others to join the job (default 60); before the process group is
             made, the ranks also agree on device kind, dtype, mesh, checkpoint and check_inputs.
+        replicate_over_cp: run the model with TP only on a mesh with CP axes: each CP group holds a replica of the
+            TP shards and runs it on the same full inputs (no CP hooks), e.g. a pipeline's text encoder on the
+            transformer's tp x cp mesh. A model without a CP plan on such a mesh needs it.
 
     Returns:
         The model, with `model.preshard_report` describing what was read and which hooks sit where.
@@ -104,6 +109,7 @@ def load_sharded(
             model, checkpoint, mesh=mesh, cp=cp, ring=ring, ulysses=ulysses, order=order, device=device, dtype=dtype,
             verify=verify, revision=revision, token=token, subfolder=subfolder, check_inputs=check_inputs,
             timeout=timeout,
+            replicate_over_cp=replicate_over_cp,
         )  # fmt: skip
     except PreshardError:
         one_line_errors_under_torchrun()
@@ -115,6 +121,7 @@ def _load_sharded(
     check_inputs=True,
     place_buffers=True,
     timeout=DEFAULT_TIMEOUT_S,
+    replicate_over_cp=False,
 ) -> nn.Module:  # fmt: skip
     """`load_sharded`, with a switch tests use to leave buffers where the model put them."""
     start = time.perf_counter()
@@ -141,7 +148,9 @@ def _load_sharded(
         agree_on_checkpoint(
             rank_device, digest, commit, error, str(checkpoint), {"device": rank_device.kind, **requests}
         )
-        return _load_held(model, held, run_mesh, rank_device, cast, verify, place_buffers, start, input_mode)
+        return _load_held(
+            model, held, run_mesh, rank_device, cast, verify, place_buffers, start, input_mode, replicate_over_cp
+        )
     finally:
         if held is not None:
             held.close()
@@ -183,7 +192,7 @@ def _open_checkpoint(
 
 def _load_held(
     model, held: HeldCheckpoint, run_mesh: MeshSpec, rank_device: RankDevice, cast, verify, place_buffers, start,
-    input_mode: str,
+    input_mode: str, replicate_over_cp: bool = False,
 ) -> nn.Module:  # fmt: skip
     """Build the model and read this rank's shard from the files `held` opened (every rank agreed on them)."""
     manifest, checkpoint, config = held.manifest, held.path, held.config
@@ -201,6 +210,9 @@ def _load_held(
         net = build_model(model, checkpoint, config)
         quantized = quant.quantized_weights(manifest, config)
         quant.prepare(net, manifest, quantized)
+        left_out = manifest.source.left_out
+        if left_out is not None:  # its head is not in the checkpoint: a module that refuses a call stands there
+            guard_left_out(net, checkpoint.name, left_out)
         check_against_manifest(net, manifest)
         check_config(net, config)
         aliases = tied_parameters(net)
@@ -259,7 +271,7 @@ def _load_held(
     for module_name, description in tp_hooks.items():
         report.add_hook(module_name, description)
     attach_lora_loading(net, linears, manifest, groups.tp, tp_rank, report)
-    if run_mesh.cp > 1:
+    if run_mesh.cp > 1 and not replicate_over_cp:
         from preshard.runtime.cp import attach_context_parallel
 
         attach_context_parallel(net, manifest.plan, groups, rank_device, report)

@@ -1,7 +1,9 @@
 """load_pipeline: a converted pipeline folder back as the diffusers pipeline its index names, in every rank.
 
 Each sharded component (the record `preshard_pipeline.json` says which) is loaded by `load_sharded` on the job's
-mesh; the rest are loaded whole by diffusers from the folder (`DiffusionPipeline.from_pretrained`, or for a modular
+mesh; a transformers text encoder (converted for TP alone) on the same ranks, TP over the transformer's TP groups
+and replicated across its CP groups (`replicate_over_cp`: each CP group runs the encoder's TP shards on the same
+prompt); the rest are loaded whole by diffusers from the folder (`DiffusionPipeline.from_pretrained`, or for a modular
 pipeline `ModularPipeline.from_pretrained` + `load_components`) and moved to this rank's device, which a sharded
 component refuses to be moved off (so `pipe.to(device)` is not the way: the loader places the whole ones itself).
 """
@@ -128,6 +130,12 @@ def load_pipeline(
     rank_device = init_rank_device(device)
     cast = parse_cast(dtype, "dtype=")
     job_tp = int(record.mesh["tp"])
+    if mesh is None:
+        job_mesh = MeshSpec.build(job_tp, cp, ring, ulysses, order, default=MeshSpec.from_dict(record.mesh))
+    elif any(v is not None for v in (cp, ring, ulysses, order)):
+        raise UsageError("pass either mesh=MeshSpec(...) or cp/ring/ulysses/order, not both")
+    else:
+        job_mesh = mesh
     sharded: dict[str, nn.Module] = {}
     for component in record.sharded():
         if component.tp != job_tp:
@@ -139,9 +147,9 @@ def load_pipeline(
         cls = _import_class(component.library, component.class_name)
         where = (checkpoint, component.name) if commit is not None else (folder / component.name, None)
         sharded[component.name] = load_sharded(
-            cls, where[0], subfolder=where[1], revision=commit, token=token if commit else None, mesh=mesh, cp=cp,
-            ring=ring, ulysses=ulysses, order=order, device=device,
-            dtype=dtype, verify=verify, check_inputs=check_inputs,
+            cls, where[0], subfolder=where[1], revision=commit, token=token if commit else None, mesh=job_mesh,
+            device=device, dtype=dtype, verify=verify, check_inputs=check_inputs,
+            replicate_over_cp=component.library == "transformers",
         )  # fmt: skip
     given = dict(components or {})
     overlap = sorted(set(given) & set(sharded))
@@ -177,7 +185,7 @@ def load_pipeline(
             component.to(rank_device.device)
     for c in record.components.values():
         model = getattr(pipe, c.name, None)
-        if c.left_out is not None and isinstance(model, nn.Module) and c.name not in given:
+        if c.left_out is not None and isinstance(model, nn.Module) and c.name not in given and c.name not in sharded:
             guard_left_out(model, c.name, c.left_out)
     setattr(pipe, SHARDED_ATTRIBUTE, {name: net.preshard_report for name, net in sharded.items()})
     return pipe

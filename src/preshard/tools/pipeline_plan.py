@@ -2,7 +2,9 @@
 
 Each component is treated as `convert-checkpoint PIPELINE OUT` would (`converter.pipeline_folder.plan_pipeline`,
 the same `--component` choices): a sharded one is sized by `plan_meshes` at each mesh (its slices plus what every
-rank holds whole), a whole one counts its stored bytes on every rank. Headers only (a pipeline of headers over
+rank holds whole), a whole one counts its stored bytes on every rank. A sharded text encoder (TP only, replicated
+across the CP groups at load) counts its slices at each mesh's TP degree, without the layers `--keep-layers` (or
+the pipeline's documented default) leaves out. Headers only (a pipeline of headers over
 holes costs nothing). Weights only, as `plan` says for one model: activations and workspace come on top.
 """
 
@@ -13,9 +15,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from preshard.converter.convert import resolve_mesh
+from preshard.converter.convert import as_loaded_names, resolve_mesh
 from preshard.converter.left_out import is_left_out
-from preshard.converter.pipeline_folder import ComponentChoice, layers_to_keep, parse_component_choice, plan_pipeline
+from preshard.converter.pipeline_folder import (
+    ComponentChoice,
+    is_text_encoder,
+    layers_to_keep,
+    parse_component_choice,
+    plan_pipeline,
+)
 from preshard.errors import SourceError, UsageError
 from preshard.format.dtypes import parse_cast
 from preshard.format.pipeline_record import read_pipeline_index
@@ -72,6 +80,30 @@ def _stored_bytes(folder: Path, itemsize: int | None, keep: int | None = None) -
     return total
 
 
+def _text_encoder_per_rank(folder: Path, degrees: Iterable[int], dtype: Any, keep: int | None) -> dict[int, int]:
+    """A sharded text encoder's weight bytes per rank at each TP degree its inferred plan allows (the others are
+    left out of the result), without the tensors `keep` leaves out."""
+    import math
+
+    from preshard.errors import PlanError
+    from preshard.format.plan import resolve_plan
+    from preshard.plans.registry import choose_plan
+    from preshard.sources import open_source_headers
+
+    src = as_loaded_names(open_source_headers(folder))  # the names the model's modules have, as converted
+    cast = parse_cast(dtype)
+    config = src.config or {}
+    shapes = {n: s for n, s in src.shapes().items() if keep is None or not is_left_out(n, keep)}
+    sizes = {}
+    for tp in degrees:
+        try:
+            layouts = resolve_plan(choose_plan(None, config, tp), shapes, tp, cast=cast, config=config)
+        except PlanError:
+            continue
+        sizes[tp] = sum(math.prod(x.local_shape(tp)) * x.dtype.itemsize for x in layouts.values())
+    return sizes
+
+
 def plan_pipeline_job(
     source: str | Path,
     *,
@@ -120,13 +152,23 @@ def plan_pipeline_job(
         if p.record.treatment == "whole" and p.folder is not None
     }
     sharded = [p for p in planned if p.record.treatment == "sharded"]
+    encoders = [p for p in sharded if p.folder is not None and is_text_encoder(p.record.library, p.folder)]
     per_mesh: dict[tuple[int, int, int], dict[str, int]] = {}
     for p in sharded:
+        if p in encoders:
+            continue
         report = plan_meshes(folder, devices=devices, plan=None, dtype=dtype, subfolder=p.record.name)
         for m in report.meshes:
             chosen = choices.get(p.record.name)
             if m.world_size == devices and (chosen is None or chosen.tp is None or chosen.tp == m.tp):
                 per_mesh.setdefault((m.tp, m.ring, m.ulysses), {})[p.record.name] = m.weight_bytes_per_rank
+    for p in encoders:
+        assert p.folder is not None
+        chosen = choices.get(p.record.name)
+        sizes = _text_encoder_per_rank(p.folder, {tp for tp, _, _ in per_mesh}, dtype, keeps.get(p.record.name))
+        for (tp, _ring, _ulysses), by_component in per_mesh.items():
+            if tp in sizes and (chosen is None or chosen.tp is None or chosen.tp == tp):
+                by_component[p.record.name] = sizes[tp]
     meshes = []
     for (tp, ring, ulysses), by_component in sorted(per_mesh.items()):
         if len(by_component) != len(sharded):
