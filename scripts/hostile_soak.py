@@ -839,29 +839,27 @@ def source_cases(soak: Soak) -> list[Case]:
 
     def changed_after_planning(kind: str) -> Callable[[Path], str | None]:
         def case(folder: Path) -> str | None:
-            from preshard.converter import convert as convert_module
-
             src = copy(folder)
             config = src / "config.json"
             original = config.read_bytes()
 
+            changed: list[str] = []
+
             def change(name: str) -> None:
-                convert_module._after_tensor_hook = None
+                if changed:
+                    return
+                changed.append(name)
                 config.unlink()
                 if kind == "fifo":
                     os.mkfifo(config)
                 else:
                     config.write_text(json.dumps({"_class_name": "Other", "width": 1}))
 
-            convert_module._after_tensor_hook = change
-            try:
-                outcome = run_library(
-                    lambda: __import__("preshard.converter.convert", fromlist=["x"]).convert_checkpoint(
-                        src, folder / "out", tp=1, plan=plan, progress=False
-                    )
+            outcome = run_library(
+                lambda: __import__("preshard.converter.convert", fromlist=["x"]).convert_checkpoint(
+                    src, folder / "out", tp=1, plan=plan, progress=False, on_tensor=change
                 )
-            finally:
-                convert_module._after_tensor_hook = None
+            )
             if outcome.status != 0:
                 return f"conversion failed: {outcome.stderr[-300:]}"
             committed = (folder / "out" / "config.json").read_bytes()

@@ -11,7 +11,6 @@ import shutil
 
 import pytest
 
-from preshard.converter import convert as convert_module
 from preshard.converter.convert import convert_checkpoint
 from preshard.errors import SourceError
 from preshard.sources import open_source
@@ -42,9 +41,8 @@ def test_config_changed_after_planning_is_not_what_is_committed(source, tmp_path
         else:
             os.mkfifo(config)  # opened for reading, this would block until a writer came
 
-    monkeypatch.setattr(convert_module, "_after_tensor_hook", change_config)
     out = tmp_path / "out"
-    convert_checkpoint(source, out, tp=2, progress=False)
+    convert_checkpoint(source, out, tp=2, progress=False, on_tensor=change_config)
     assert done  # the config changed while the tensors were written
     assert (out / "config.json").read_bytes() == original
 
