@@ -248,10 +248,11 @@ def test_resume_only_with_the_same_loras(flux, tmp_path, monkeypatch, change):
     outcome = ConversionOutcome()
     convert_checkpoint(source, out, tp=2, progress=False, loras=loras, outcome=outcome, on_tensor=written.append)
     total = len(read_manifest(out).tensors)
-    # Resumed (the tensors journalled before the crash: up to the 30 written, less any not yet journalled), or
-    # redone from the start.
+    # Resumed (the tensors journalled before the crash), or redone from the start. The writer threads run ahead of
+    # the callback that crashed, and what they had made durable by then is journalled too, so a loaded machine can
+    # keep more than the 30 the callback saw (CI once kept 70): the bound is the job, not 30.
     kept = outcome.kept_tensors
-    assert (0 < kept <= 30) if change == "same" else kept == 0, kept
+    assert (0 < kept < total) if change == "same" else kept == 0, (kept, total)
     assert len(written) == total - kept
     fresh = tmp_path / "fresh"
     convert_checkpoint(source, fresh, tp=2, progress=False, loras=loras)
