@@ -240,6 +240,13 @@ class _ConvertCommand(Command):
 @click.option(
     "--lora-scale", type=float, multiple=True, metavar="S", help="Scale of the --lora before it (default 1.0)."
 )
+@click.option(
+    "--quantize",
+    default=None,
+    metavar="FORMAT",
+    help="Store the plan's sharded Linear weights quantized: fp8 (float8_e4m3fn) or int8, each with a float32 "
+    "per-output-channel weight_scale (see docs/quantized.md).",
+)
 @_hub_options()
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it is a preshard checkpoint.")
 @click.option("--wait", is_flag=True, help="Wait for another conversion into OUTPUT to finish instead of failing.")
@@ -261,7 +268,7 @@ class _ConvertCommand(Command):
 @user_errors
 def convert_checkpoint_command(
     source, output, tp, cp, ring, ulysses, order, plan, dtype, subfolder, revision, token, overwrite, wait, dry_run,
-    workers, as_json, quiet, progress, loras,
+    workers, as_json, quiet, progress, loras, quantize,
 ):  # fmt: skip
     """Slice SOURCE (.safetensors file, diffusers weights folder or Hub repo id) into per-rank shards in OUTPUT.
 
@@ -279,7 +286,7 @@ def convert_checkpoint_command(
         with _hub_progress(progress):
             report = plan_dry_run(
                 source, output, mesh=mesh, plan=plan, dtype=dtype, subfolder=subfolder, revision=revision,
-                token=token, overwrite=overwrite, loras=loras, start_seconds=_start_seconds(),
+                token=token, overwrite=overwrite, loras=loras, start_seconds=_start_seconds(), quantize=quantize,
             )  # fmt: skip
         _emit(dry_run_json(report), dry_run_text(report), as_json, quiet)
         if report.space_error:
@@ -293,7 +300,7 @@ def convert_checkpoint_command(
         manifest = convert_checkpoint(
             source, output, tp=tp, cp=cp, ring=ring, ulysses=ulysses, order=order, plan=plan, dtype=dtype,
             subfolder=subfolder, revision=revision, token=token, overwrite=overwrite, wait=wait, progress=progress,
-            workers=workers, loras=loras, outcome=outcome,
+            workers=workers, loras=loras, outcome=outcome, quantize=quantize,
         )  # fmt: skip
     seconds = time.perf_counter() - started
     data = {"command": "convert", "status": outcome.status, **_manifest_summary(manifest, output)}

@@ -410,6 +410,7 @@ def dry_run(
     overwrite: bool = False,
     probe: bool = True,
     loras: Any = None,
+    quantize: str | None = None,
     start_seconds: float = 0.0,
 ) -> DryRun:
     """Everything a conversion decides before writing, the space it needs and a time estimate; writes nothing.
@@ -426,7 +427,9 @@ def dry_run(
     from preshard.converter.workdir import check_output
 
     src = open_source_headers(source, subfolder=subfolder, revision=revision, token=token)
-    job, check_s = timed_check(plan_conversion, src, mesh=mesh, plan=plan, dtype=dtype, loras=loras, token=token)
+    job, check_s = timed_check(
+        plan_conversion, src, mesh=mesh, plan=plan, dtype=dtype, loras=loras, token=token, quantize=quantize
+    )
     output = Path(output)
     check_output(output, job.source.input_paths(), overwrite)
     per_rank = rank_bytes(job.layouts, job.write_order, mesh.tp)
@@ -659,9 +662,15 @@ def unshard_dry_run(
     """
     from preshard.converter.workdir import SAFETENSORS_FOLDER, check_output
     from preshard.sources.presharded import open_presharded
-    from preshard.tools.unshard import refuse_fused_loras, refuse_lossy_cast, small_files
+    from preshard.tools.unshard import (
+        refuse_fused_loras,
+        refuse_lossy_cast,
+        refuse_quantized_at_conversion,
+        small_files,
+    )
 
     source = open_presharded(checkpoint, subfolder=subfolder, revision=revision, token=token)
+    refuse_quantized_at_conversion(source)  # first: it is why the cast check would also refuse
     refuse_lossy_cast(source)
     refuse_fused_loras(source)
     manifest = source.manifest
