@@ -1,6 +1,7 @@
 """`convert-checkpoint --quantize fp8|int8` (converter/quantize.py): the plan's sharded Linear weights stored
 quantized with per-output-channel float32 scales computed on the whole row, so tp=1 and tp=2 store one model, equal
-to the unsharded model quantized the same way; the rest kept as it is; resumable; verify, unshard and the refusals."""
+to the unsharded model quantized the same way; the rest kept as it is; resumable and parallel; verify, unshard,
+reshard and the refusals."""
 
 from __future__ import annotations
 
@@ -132,15 +133,20 @@ def test_verify_source_recomputes_the_quantized_weights_and_unshard_refuses_in_o
     assert result.ok, result.problems
     made = read_manifest(converted["int8-tp2"]).quantized_at_conversion()
     assert result.quantize_scales == len(made) and result.source_tensors == len(result_tensors(converted)) - len(made)
-    with pytest.raises(UsageError, match=r"quantized at conversion .*cannot be rebuilt"):
+    with pytest.raises(UsageError, match=r"quantized at conversion .*cannot be rebuilt") as e:
         unshard_checkpoint(converted["int8-tp2"], tmp_path / "back")
+    assert "\n" not in str(e.value)
+    from preshard.tools.reshard import reshard_checkpoint
+
+    with pytest.raises(UsageError, match=r"quantized at conversion .*--tp 1 --quantize"):
+        reshard_checkpoint(converted["int8-tp2"], tmp_path / "tp1", tp=1)
 
 
 def result_tensors(converted) -> list[str]:
     return list(read_manifest(converted["int8-tp2"]).tensors)
 
 
-def test_an_interrupted_quantized_conversion_resumes_to_the_same_bytes(converted, tmp_path, monkeypatch):
+def test_an_interrupted_or_parallel_quantized_conversion_gives_the_same_bytes(converted, tmp_path, monkeypatch):
     out = tmp_path / "out"
     monkeypatch.setattr(convert_module, "SYNC_MIN_BYTES", 1)  # journal after every tensor
     written: list[str] = []
@@ -161,10 +167,14 @@ def test_an_interrupted_quantized_conversion_resumes_to_the_same_bytes(converted
     assert any(kept.tensors[s].layout for s in kept.quantized_at_conversion().values())
     for f in read_manifest(converted["fp8-tp2"]).files:
         assert (out / f.name).read_bytes() == (converted["fp8-tp2"] / f.name).read_bytes()
-    # the same conversion again is already converted; without --quantize it is another conversion
-    again = ConversionOutcome()
+    again = ConversionOutcome()  # the same conversion again: already converted
     convert_checkpoint(converted["src"], out, tp=2, quantize="fp8", progress=False, outcome=again)
     assert again.status == "already converted"
+    # two worker processes (each reads only its own rows of a weight, and computes its scales from them): the same
+    parallel = tmp_path / "parallel"
+    convert_checkpoint(converted["src"], parallel, tp=2, quantize="fp8", progress=False, workers=2)
+    for f in read_manifest(converted["fp8-tp2"]).files:
+        assert (parallel / f.name).read_bytes() == (converted["fp8-tp2"] / f.name).read_bytes()
 
 
 @pytest.mark.quick

@@ -99,6 +99,11 @@ def reshard_checkpoint(
         if source.manifest.mesh.cp == 1:
             check_cp_plan(source.manifest.plan, source.config, new_mesh.cp)
         return _relink(source, output, new_mesh, overwrite=overwrite, wait=wait)
+    if source.manifest.quantize is not None:
+        raise UsageError(
+            f"{source.given} was quantized at conversion (--quantize): reshard it to another TP degree by converting "
+            f"the source again with --tp {new_mesh.tp} --quantize (the same model at every degree)"
+        )
     job = plan_conversion(source, mesh=new_mesh, plan=source.manifest.plan, dtype=source.manifest.dtype)
     if workers > 1:
         return run_workers(
