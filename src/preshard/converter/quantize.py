@@ -29,7 +29,7 @@ from preshard.format.dtypes import FLOAT32, DType, as_dtype
 from preshard.format.layout import TensorLayout
 from preshard.format.manifest import Source
 from preshard.format.plan import Plan, resolve_plan
-from preshard.format.quant import QUANTIZE_SCALE, quantize_rows, recognise
+from preshard.format.quant import QUANTIZE_SCALE, recognise, row_scales
 from preshard.sources import ConversionSource, SourceRows
 
 QUANTIZE_VERSION = 1  # part of a conversion's identity: another arithmetic is another conversion
@@ -112,7 +112,7 @@ class QuantizedRows:
         data = rows if rows.ctypes.data % dtype.itemsize == 0 else rows.copy()
         tensor = torch.from_numpy(data[: count * shape[1] * dtype.itemsize]).view(dtype.torch).view(count, shape[1])
         seen = self.scales.setdefault(weight, np.full(shape[0], np.nan, dtype=np.float32))
-        seen[start : start + count] = quantize_rows(tensor, self.fmt)[1].numpy()
+        seen[start : start + count] = row_scales(tensor, self.fmt).numpy()
 
     def _serve(self, scale: str, start: int, count: int, out: np.ndarray) -> np.ndarray:
         weight = self.weight_of[scale]

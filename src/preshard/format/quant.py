@@ -252,9 +252,21 @@ def _format_key(value: str) -> str:
     return next((key for key, (name, _) in QUANTIZE_FORMATS.items() if value in (key, name)), value)
 
 
+def row_scales(rows: Any, dtype_name: str) -> Any:
+    """The float32 scale of each row of a 2-D floating torch tensor: `amax(|row|) / max` (1 for an all-zero row)."""
+    import torch
+
+    limit = quantized_max(dtype_name)
+    if not rows.shape[1]:
+        return torch.ones(rows.shape[0])
+    low, high = torch.aminmax(rows, dim=1)  # no |rows| copy: amax(|row|) = max(-min, max)
+    amax = torch.maximum(low.neg(), high).to(torch.float32)
+    return torch.where(amax > 0, amax / limit, torch.ones_like(amax))
+
+
 def quantize_rows(rows: Any, dtype_name: str) -> tuple[Any, Any]:
-    """(quantized rows, float32 scale per row) of a 2-D floating torch tensor: `scale = amax(|row|) / max` (1 for an
-    all-zero row), `q = row / scale` rounded into the dtype, so `q * scale` approximates the row.
+    """(quantized rows, float32 scale per row) of a 2-D floating torch tensor: `scale = row_scales(rows)`,
+    `q = row / scale` (in float32) rounded into the dtype, so `q * scale` approximates the row.
 
     Each row is computed from itself alone, in float32, so the result does not depend on how rows are grouped in
     bands or which rank reads them: every TP degree stores the same model.
@@ -263,10 +275,9 @@ def quantize_rows(rows: Any, dtype_name: str) -> tuple[Any, Any]:
 
     limit = quantized_max(dtype_name)
     dtype_name = QUANTIZE_FORMATS[_format_key(dtype_name)][0]
-    work = rows.to(torch.float32)
-    amax = work.abs().amax(dim=1) if work.shape[1] else torch.zeros(work.shape[0])
-    scale = torch.where(amax > 0, amax / limit, torch.ones_like(amax))
-    scaled = work / scale[:, None]
+    work = rows.to(torch.float32, copy=True)
+    scale = row_scales(work, dtype_name)  # (the same as of `rows`: a maximum is exact in any dtype)
+    work.div_(scale[:, None]).clamp_(-limit, limit)
     if dtype_name == "int8":
-        return scaled.round().clamp(-limit, limit).to(torch.int8), scale
-    return scaled.clamp(-limit, limit).to(getattr(torch, dtype_name)), scale
+        return work.round_().to(torch.int8), scale
+    return work.to(getattr(torch, dtype_name)), scale

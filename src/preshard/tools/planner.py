@@ -395,6 +395,8 @@ class DryRun:
     estimate: Estimate | None
     notes: list[str] = field(default_factory=list)
     loras: list[dict[str, Any]] = field(default_factory=list)  # --lora: one entry per LoRA (`LoraSet.summary`)
+    quantize: str | None = None  # --quantize: the stored dtype of the weights quantized at conversion
+    quantized_weights: int = 0
 
 
 def dry_run(
@@ -469,6 +471,8 @@ def dry_run(
         estimate=measured,
         notes=notes,
         loras=job.source.loras.summary() if hasattr(job.source, "loras") else [],
+        quantize=job.quantize,
+        quantized_weights=sum(layout.quantizes for layout in job.layouts.values()),
     )
 
 
@@ -530,6 +534,8 @@ def dry_run_json(run: DryRun) -> dict[str, Any]:
         "output": str(run.output),
         **_output_fields(run),
         "loras": [dict(lora) for lora in run.loras],
+        "quantize": run.quantize,
+        "quantized_weights": run.quantized_weights,
     }
 
 
@@ -555,6 +561,13 @@ def dry_run_text(run: DryRun) -> str:
         + (" (keys converted)" if lora["converted"] else "")
         for lora in run.loras
     ]
+    if run.quantize:
+        lines.insert(
+            3,
+            f"quantize:  {plural(run.quantized_weights, 'Linear weight')} stored as {run.quantize}, each with a "
+            "float32 "
+            "per-output-channel weight_scale (counted in the bytes below)",
+        )
     lines += [f"note:      {note}" for note in run.notes]
     return "\n".join(lines)
 
