@@ -7,7 +7,9 @@ and the FP8 one as a published fp8-scaled release of it would be: every BF16 Lin
 refiner blocks float8_e4m3fn with a float32 scale beside it (per output channel, `weight_scale` [out]; or
 `--granularity block`, `weight_scale_inv` over 128x128 blocks), the rest as in BF16. Conversion is
 `convert-checkpoint SRC OUT --tp 2` (a whole process); load is `load_sharded` in each of 2 torchrun ranks (gloo,
-CPU), timed from the call to the loaded model (`report.total_seconds`). Repetitions alternate the two formats.
+CPU), timed from the call to the loaded model (`report.total_seconds`). A third row converts the BF16 source with
+`--quantize fp8` (quantized at conversion: per-output-channel scales computed by preshard), against the plain
+conversion of the same source. Repetitions alternate the order.
 
     PYTHONPATH=src python benchmarks/bench_quant.py --layers 2 --reps 2
 """
@@ -106,13 +108,16 @@ def main() -> None:
             write_safetensors_checkpoint(work / kind, specs, config, data="random")
             print(f"{kind}: {total_nbytes(specs) / GB:.2f} GB source, {len(specs)} tensors")
         metrics = ("convert_s", "convert_cpu_s", "load_s")
-        results: dict[str, dict[str, list[float]]] = {k: {m: [] for m in metrics} for k in sources}
+        runs = {"bf16": ("bf16", ""), "fp8": ("fp8", ""), "bf16->fp8": ("bf16", " --quantize fp8")}
+        results: dict[str, dict[str, list[float]]] = {k: {m: [] for m in metrics} for k in runs}
         held: dict[str, list[int]] = {}
         for rep in range(args.reps):
-            for kind in sources if rep % 2 == 0 else reversed(list(sources)):
-                out = work / f"{kind}-tp2"
+            for kind in runs if rep % 2 == 0 else reversed(list(runs)):
+                source, extra = runs[kind]
+                out = work / f"{kind.replace('->', '-q-')}-tp2"
                 shutil.rmtree(out, ignore_errors=True)
-                step = timed(f"convert-checkpoint {work / kind} {out} --tp 2", env, work / f"{kind}.log", 1800)
+                log = work / f"{out.name}.log"
+                step = timed(f"convert-checkpoint {work / source} {out} --tp 2{extra}", env, log, 1800)
                 results[kind]["convert_s"].append(step["wall_s"])
                 results[kind]["convert_cpu_s"].append(step["user_s"] + step["sys_s"])
                 ranks = load_job(out, work, env)
@@ -120,17 +125,23 @@ def main() -> None:
                 held[kind] = [r["held_bytes"] for r in ranks]
                 print(f"rep {rep} {kind}: convert {step['wall_s']:.1f} s, load {results[kind]['load_s'][-1]:.1f} s")
         print(f"\nMiniMax-H3 real width, {args.layers} layers, tp=2, {args.granularity} scales; medians of {args.reps}")
-        print(f"{'':6} {'GB per rank (max)':>18} {'convert s':>10} {'convert CPU s':>14} {'load s':>8}")
+        print(f"{'':9} {'GB per rank (max)':>18} {'convert s':>10} {'convert CPU s':>14} {'load s':>8}")
         med = {k: {m: statistics.median(v) for m, v in r.items()} for k, r in results.items()}
-        for kind in sources:
+        for kind in runs:
             print(
-                f"{kind:6} {max(held[kind]) / GB:>18.3f} {med[kind]['convert_s']:>10.2f} "
+                f"{kind:9} {max(held[kind]) / GB:>18.3f} {med[kind]['convert_s']:>10.2f} "
                 f"{med[kind]['convert_cpu_s']:>14.2f} {med[kind]['load_s']:>8.2f}"
             )
         ratio = {m: med["fp8"][m] / med["bf16"][m] for m in metrics}
         print(
             f"fp8 / bf16: bytes per rank {max(held['fp8']) / max(held['bf16']):.3f}x, convert "
             f"{ratio['convert_s']:.2f}x, load {ratio['load_s']:.2f}x"
+        )
+        q = {m: med["bf16->fp8"][m] / med["bf16"][m] for m in metrics}
+        print(
+            f"bf16 --quantize fp8 / bf16 (same source): bytes per rank "
+            f"{max(held['bf16->fp8']) / max(held['bf16']):.3f}x,"
+            f" convert {q['convert_s']:.2f}x (CPU {q['convert_cpu_s']:.2f}x), load {q['load_s']:.2f}x"
         )
         print(f"load average at end: {loadavg()}")
     finally:

@@ -243,6 +243,13 @@ class _ConvertCommand(Command):
 @click.option(
     "--lora-scale", type=float, multiple=True, metavar="S", help="Scale of the --lora before it (default 1.0)."
 )
+@click.option(
+    "--quantize",
+    default=None,
+    metavar="FORMAT",
+    help="Store the plan's sharded Linear weights quantized: fp8 (float8_e4m3fn) or int8, each with a float32 "
+    "per-output-channel weight_scale (see docs/quantized.md).",
+)
 @_hub_options()
 @click.option(
     "--component",
@@ -280,7 +287,7 @@ class _ConvertCommand(Command):
 @user_errors
 def convert_checkpoint_command(
     source, output, tp, cp, ring, ulysses, order, plan, dtype, subfolder, revision, token, component_choices,
-    keep_layers, overwrite, wait, dry_run, workers, as_json, quiet, progress, loras,
+    keep_layers, overwrite, wait, dry_run, workers, as_json, quiet, progress, loras, quantize,
 ):  # fmt: skip
     """Slice SOURCE (.safetensors file, diffusers weights folder or Hub repo id) into per-rank shards in OUTPUT.
 
@@ -295,7 +302,7 @@ def convert_checkpoint_command(
     if subfolder is None and is_pipeline_folder(source):
         _convert_pipeline_folder(
             source, output, tp, cp, ring, ulysses, order, plan, dtype, revision, component_choices, keep_layers,
-            overwrite, wait, dry_run, workers, as_json, quiet, progress, loras,
+            overwrite, wait, dry_run, workers, as_json, quiet, progress, loras, quantize,
         )  # fmt: skip
         return
     if component_choices or keep_layers:
@@ -308,7 +315,7 @@ def convert_checkpoint_command(
         with _hub_progress(progress):
             report = plan_dry_run(
                 source, output, mesh=mesh, plan=plan, dtype=dtype, subfolder=subfolder, revision=revision,
-                token=token, overwrite=overwrite, loras=loras, start_seconds=_start_seconds(),
+                token=token, overwrite=overwrite, loras=loras, start_seconds=_start_seconds(), quantize=quantize,
             )  # fmt: skip
         _emit(dry_run_json(report), dry_run_text(report), as_json, quiet)
         if report.space_error:
@@ -322,7 +329,7 @@ def convert_checkpoint_command(
         manifest = convert_checkpoint(
             source, output, tp=tp, cp=cp, ring=ring, ulysses=ulysses, order=order, plan=plan, dtype=dtype,
             subfolder=subfolder, revision=revision, token=token, overwrite=overwrite, wait=wait, progress=progress,
-            workers=workers, loras=loras, outcome=outcome,
+            workers=workers, loras=loras, outcome=outcome, quantize=quantize,
         )  # fmt: skip
     seconds = time.perf_counter() - started
     data = {"command": "convert", "status": outcome.status, **_manifest_summary(manifest, output)}
@@ -332,12 +339,17 @@ def convert_checkpoint_command(
 
 def _convert_pipeline_folder(
     source, output, tp, cp, ring, ulysses, order, plan, dtype, revision, component_choices, keep_layers, overwrite,
-    wait, dry_run, workers, as_json, quiet, progress, loras,
+    wait, dry_run, workers, as_json, quiet, progress, loras, quantize,
 ) -> None:  # fmt: skip
     """convert-checkpoint on a pipeline folder: every component in one conversion (converter/pipeline_folder.py)."""
     from preshard.converter.pipeline_folder import convert_pipeline
 
-    for given, option in ((dry_run, "--dry-run"), (loras, "--lora"), (revision, "--revision")):
+    for given, option in (
+        (dry_run, "--dry-run"),
+        (loras, "--lora"),
+        (revision, "--revision"),
+        (quantize, "--quantize"),
+    ):
         if given:
             raise UsageError(f"{option} is not supported on a pipeline folder; use it with --subfolder NAME")
     started = time.perf_counter()

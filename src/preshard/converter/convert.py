@@ -57,6 +57,7 @@ from preshard.format.manifest import (
 from preshard.format.mesh import MeshSpec, resolve_mesh
 from preshard.format.plan import Plan, resolve_plan
 from preshard.format.publish import publish_text
+from preshard.format.quant import parse_quantize
 from preshard.format.torch_record import RECORD_FRAMING_VERSION
 from preshard.plans.model_class import is_transformers_config
 from preshard.plans.registry import choose_plan, vouched_for
@@ -79,6 +80,7 @@ class ConversionPlan:
     layouts: dict[str, TensorLayout]
     files: FileLayout
     write_order: list[str]
+    quantize: str | None = None  # --quantize: the stored dtype of the weights quantized at conversion
 
     @property
     def output_bytes(self) -> int:
@@ -137,6 +139,7 @@ def finished_conversion(job: ConversionPlan, output: Path) -> Manifest | None:
     if (
         manifest.mesh != job.mesh
         or manifest.dtype != job.cast
+        or manifest.quantize != job.quantize
         or manifest.plan.to_dict() != job.plan.to_dict()
         or manifest.derived_from is not None
         or _lora_records(job.source) != [lora.to_dict() for lora in manifest.source.loras]
@@ -177,6 +180,7 @@ def plan_conversion(
     token: str | bool | None = None,
     check_model: bool = True,
     loras: Iterable[Any] | None = None,
+    quantize: str | None = None,
 ) -> ConversionPlan:
     """Resolve source, plan, mesh and layout without writing anything (what a dry run shows).
 
@@ -184,8 +188,10 @@ def plan_conversion(
     builds the model on the meta device: seconds), unless the plan is a built-in one made for that class
     (`vouched_for`); `convert_checkpoint` does that while it converts instead.
     `loras`: LoRAs to fuse into the weights as they are read (`preshard.converter.lora`).
+    `quantize`: "fp8" or "int8": store the plan's sharded Linear weights quantized (`preshard.converter.quantize`).
     """
     cast = parse_cast(dtype)
+    fmt = parse_quantize(quantize)
     if isinstance(source, (str, Path)):
         src = open_source(source, subfolder=subfolder, revision=revision, token=token)
     else:
@@ -197,7 +203,14 @@ def plan_conversion(
 
         src = with_loras(src, loras, token=token)
     chosen = choose_plan(plan, src.config, mesh.tp)
+    quantized = None
+    if fmt is not None:
+        from preshard.converter.quantize import with_quantize
+
+        src = quantized = with_quantize(src, chosen, fmt)
     layouts = resolve_plan(chosen, src.shapes(), mesh.tp, cast=cast, config=src.config or {})
+    if quantized is not None:
+        layouts = quantized.layouts(layouts)
     if mesh.cp > 1:
         chosen.check_cp_config(src.config)  # from config.json alone: also where the model check is skipped
     if check_model and not vouched_for(chosen, src.config, layouts, mesh.cp):
@@ -206,7 +219,7 @@ def plan_conversion(
         check_plan_against_model(chosen, src.config, mesh.tp, mesh.cp)
     order = src.read_order()
     files = place_records([layouts[name] for name in order], mesh.tp)
-    return ConversionPlan(src, chosen, mesh, cast, layouts, files, order)
+    return ConversionPlan(src, chosen, mesh, cast, layouts, files, order, fmt)
 
 
 def convert_checkpoint(
@@ -231,6 +244,7 @@ def convert_checkpoint(
     loras: Iterable[Any] | None = None,
     outcome: ConversionOutcome | None = None,
     on_tensor: Callable[[str], None] | None = None,
+    quantize: str | None = None,
 ) -> Manifest:
     """Convert a safetensors checkpoint into per-TP-rank DCP shards and a manifest, in `output`.
 
@@ -252,6 +266,9 @@ def convert_checkpoint(
         loras: LoRAs to fuse into the weights before slicing: paths (scale 1.0) or `(path, scale)` pairs, applied
             in order; each a local `.safetensors` file or a Hub `org/name[/file]`, in any key format diffusers'
             LoRA loader for the model class reads. Recorded in the manifest's source provenance.
+        quantize: "fp8" (float8_e4m3fn) or "int8": store the plan's sharded Linear weights quantized, each with a
+            float32 per-output-channel `weight_scale` computed on the whole row (every TP degree stores the same
+            model); recorded in the manifest's `quantize`. See docs/quantized.md.
         outcome: filled in with what happened: converted, resumed (with what was kept), or already converted (an
             identical finished conversion is in `output`: nothing is written and its manifest is returned, without
             `overwrite`; see `finished_conversion`).
@@ -263,7 +280,8 @@ def convert_checkpoint(
         The manifest written to (or found in) `output/manifest.json`.
 
     Raises:
-        UsageError: a bad mesh, dtype or worker count. SourceError: a missing, malformed or changing source.
+        UsageError: a bad mesh, dtype, quantize format or worker count. SourceError: a missing, malformed or
+            changing source.
         PlanError: a plan that does not fit the checkpoint or the TP degree. MismatchError: a LoRA that does not
         fit the checkpoint. OutputError: an output that cannot be written (exists, locked, too little disk
         space). Interrupted: SIGINT/SIGTERM (the finished part is kept for a resume). WorkerError: a worker
@@ -291,6 +309,7 @@ def convert_checkpoint(
             token=token,
             check_model=False,  # done while converting
             loras=loras,
+            quantize=quantize,
         )
         finished = None if overwrite else finished_conversion(job, Path(output))
     except BaseException as exc:
@@ -439,6 +458,8 @@ def _job_key(job: ConversionPlan) -> str:
     h = hashlib.sha256(job.source.identity().encode())
     h.update(json.dumps(job.plan.to_dict(), sort_keys=True).encode())
     h.update(f"tp={job.mesh.tp}:cast={job.cast}:records={RECORD_FRAMING_VERSION}".encode())
+    if job.quantize is not None:  # (also in the source's identity; here so that no reader of the key misses it)
+        h.update(f":quantize={job.quantize}".encode())
     return h.hexdigest()
 
 
@@ -749,6 +770,7 @@ def _manifest(
         derived_from=getattr(job.source, "derived_from", None),
         preshard_version=__version__,
         created=created_now(),
+        quantize=job.quantize,
     )
 
 

@@ -196,6 +196,9 @@ def _local_worker(
 ) -> None:
     global WORKER_RANK
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # until the conversion defers it; the launcher relays signals
+    torch = sys.modules.get("torch")
+    if torch is not None:  # a forked child of a process whose OpenMP pool ran hangs in its first parallel op
+        torch.set_num_threads(1)  # (--quantize, --lora and --dtype compute with torch in the workers)
     _die_with_parent()
     WORKER_RANK = rank
     message: tuple[str, Any]

@@ -21,7 +21,7 @@ from typing import Any
 
 from preshard.errors import PlanError
 from preshard.format.dtypes import UINT8, DType, as_dtype
-from preshard.format.quant import layout_role
+from preshard.format.quant import QUANTIZED_DTYPES, layout_role
 from preshard.format.styles import REPLICATE, Box, Style
 from preshard.format.torch_record import RecordFraming, record_framing
 
@@ -92,6 +92,13 @@ class TensorLayout:
     @property
     def sharded(self) -> bool:
         return self.shard_dim is not None
+
+    @property
+    def quantizes(self) -> bool:
+        """Whether a floating source tensor is stored quantized (`--quantize`; a `--dtype` cast never makes
+        float8/int8): its rows are quantized by their own scales as they are cut (`slicing.cast_band`)."""
+        source = self.source_dtype
+        return self.dtype.name in QUANTIZED_DTYPES and source.is_floating_point and source.itemsize > 1
 
     @property
     def nbytes(self) -> int:

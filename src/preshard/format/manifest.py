@@ -35,13 +35,14 @@ from preshard.errors import (
     PlanError,
     UsageError,
 )
-from preshard.format.dtypes import CAST_TARGETS, DType, cast_dtype, dtype_from_name, dtype_name
+from preshard.format.dtypes import CAST_TARGETS, FLOAT32, DType, cast_dtype, dtype_from_name, dtype_name
 from preshard.format.folder import CheckpointFolder
 from preshard.format.jsonio import canonical_json, parse_json_text
 from preshard.format.layout import INT64_MAX, ChunkRecord, TensorLayout, data_file_name, fits_int64
 from preshard.format.mesh import MeshSpec
 from preshard.format.pipeline_record import LeftOut
 from preshard.format.plan import Plan, resolve_plan
+from preshard.format.quant import QUANTIZE_FORMATS, QUANTIZE_SCALE
 from preshard.format.styles import make_style
 from preshard.format.torch_record import RECORD_FRAMING_VERSION, record_framing
 
@@ -53,6 +54,7 @@ DCP_METADATA_NAME = ".metadata"
 FILE_CHECKSUM = "xxh3_128"
 CHUNK_CHECKSUM = "xxh3_64"
 SOURCE_KINDS = ("file", "folder", "hub")
+QUANTIZED_AT_CONVERSION = tuple(name for name, _ in QUANTIZE_FORMATS.values())
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")
 
@@ -216,6 +218,16 @@ class Manifest:
     created: str = ""
     digest: str = ""
     metadata: FileRecord | None = None  # `.metadata`'s size and hash (absent from manifests written before it)
+    quantize: str | None = None  # `--quantize`: the stored dtype of the weights quantized at conversion, if any
+
+    def quantized_at_conversion(self) -> dict[str, str]:
+        """Weight -> the per-output-channel scale computed for it at conversion (`--quantize`; empty without)."""
+        if self.quantize is None:
+            return {}
+        return {
+            name: f"{name.rpartition('.')[0]}.{QUANTIZE_SCALE}"
+            for name, record in self.tensors.items() if record.layout.quantizes
+        }  # fmt: skip
 
     @property
     def tp(self) -> int:
@@ -285,6 +297,7 @@ class Manifest:
             "ranks": self.rank_table(),
             # Only when recorded, so that a manifest written before the field existed keeps its digest.
             **({"metadata": vars(self.metadata).copy()} if self.metadata is not None else {}),
+            **({"quantize": self.quantize} if self.quantize is not None else {}),
         }  # fmt: skip
 
     def compute_digest(self) -> str:
@@ -477,7 +490,7 @@ class _Parser:
             "format", "version", "preshard_version", "created", "source", "derived_from", "mesh", "plan", "dtype",
             "config", "records", "checksums", "tensors", "files", "ranks", "digest",
         }  # fmt: skip
-        self.obj(data, "manifest", top, {"metadata"})
+        self.obj(data, "manifest", top, {"metadata", "quantize"})
         digest = self.hex(data["digest"], "digest", _HEX32)
         body = {k: v for k, v in data.items() if k != "digest"}
         if xxhash.xxh3_128_hexdigest(canonical_json(body)) != digest:
@@ -509,8 +522,11 @@ class _Parser:
             cast = self.dtype(data["dtype"], "dtype")
             if cast not in CAST_TARGETS:
                 raise self.bad(f"dtype {data['dtype']!r} is not a cast preshard applies")
+        quantize = data.get("quantize")
+        if quantize is not None and quantize not in QUANTIZED_AT_CONVERSION:
+            raise self.bad(f"quantize {quantize!r} is not a format preshard quantizes to")
         files = self.files(data["files"], mesh.tp)
-        tensors = self.tensors(data["tensors"], mesh.tp, cast, {f.name for f in files})
+        tensors = self.tensors(data["tensors"], mesh.tp, cast, {f.name for f in files}, quantize)
         self.check_plan(plan, tensors, mesh.tp, cast)
         self.check_tiling(tensors, files)
         manifest = Manifest(
@@ -526,6 +542,7 @@ class _Parser:
             preshard_version=self.str(data["preshard_version"], "preshard_version"),
             created=self.str(data["created"], "created"),
             digest=digest,
+            quantize=quantize,
         )
         if data["ranks"] != manifest.rank_table():
             raise self.bad(f"the rank table does not match the mesh {mesh.describe()} and the chunks each rank reads")
@@ -540,7 +557,9 @@ class _Parser:
                 raise self.bad(f"files[{r}] is {f.name!r}; the data file of tp rank {r} is {data_file_name(r)}")
         return files
 
-    def tensors(self, value: Any, tp: int, cast: DType | None, files: set[str]) -> dict[str, TensorRecord]:
+    def tensors(
+        self, value: Any, tp: int, cast: DType | None, files: set[str], quantize: str | None = None
+    ) -> dict[str, TensorRecord]:
         if not isinstance(value, dict):
             raise self.bad("tensors must be an object")
         keys = {"style", "blocks", "shard_dim", "split_blocks", "shape", "dtype", "source_dtype", "chunks"}
@@ -556,7 +575,17 @@ class _Parser:
             dtype = self.dtype(t["dtype"], where)
             source_dtype = self.dtype(t["source_dtype"], where)
             shape = self.shape(t["shape"], where, max(dtype, source_dtype, key=lambda d: d.itemsize))
-            if dtype != cast_dtype(source_dtype, cast):
+            leaf = name.rpartition(".")[2]
+            made = quantize is not None and (
+                (
+                    leaf == "weight"
+                    and dtype.name == quantize
+                    and source_dtype.is_floating_point
+                    and source_dtype.itemsize > 1
+                )
+                or (leaf == QUANTIZE_SCALE and dtype == source_dtype == FLOAT32)
+            )  # --quantize: a weight quantized at conversion, or the float32 scale computed for it
+            if dtype != cast_dtype(source_dtype, cast) and not made:
                 raise self.bad(
                     f"{where} is stored as {dtype_name(dtype)}, but {dtype_name(source_dtype)} under the "
                     f"checkpoint's cast ({dtype_name(cast) if cast else 'none'}) is stored as "
@@ -614,7 +643,11 @@ class _Parser:
 
     def check_plan(self, plan: Plan, tensors: dict[str, TensorRecord], tp: int, cast: DType | None) -> None:
         """The embedded plan, resolved again, gives every tensor exactly its recorded style."""
-        shapes = {name: (r.layout.shape, r.layout.source_dtype) for name, r in tensors.items()}
+        # (a weight quantized at conversion is resolved as stored, so that its scale is seen as a scale)
+        shapes = {
+            name: (r.layout.shape, r.layout.dtype if r.layout.quantizes else r.layout.source_dtype)
+            for name, r in tensors.items()
+        }
         try:
             resolved = resolve_plan(plan, shapes, tp, cast=cast)
         except PlanError as exc:

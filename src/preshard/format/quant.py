@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from preshard.errors import PlanError
+from preshard.errors import PlanError, UsageError
 from preshard.format.dtypes import as_dtype
 from preshard.format.styles import REPLICATE, Style
 
@@ -219,3 +219,65 @@ def recognise(tensors: Shapes, config: Mapping[str, Any] | None = None) -> dict[
             name, fmt, granularity, scales[0], scale_dtype_name, block, inputs[0] if inputs else None
         )
     return specs
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Quantizing at conversion (`convert-checkpoint --quantize fp8|int8`)
+
+# --quantize value -> the stored dtype and the largest magnitude it holds.
+QUANTIZE_FORMATS = {"fp8": ("float8_e4m3fn", 448.0), "int8": ("int8", 127.0)}
+QUANTIZE_SCALE = "weight_scale"  # per output channel, [out] float32: a layout `recognise` reads back as "channel"
+
+
+def parse_quantize(value: str | None) -> str | None:
+    """The stored dtype name for a `--quantize` value (None for None).
+
+    Raises:
+        UsageError: a format preshard does not quantize to.
+    """
+    if value is None:
+        return None
+    found = QUANTIZE_FORMATS.get(value) or next((f for f in QUANTIZE_FORMATS.values() if f[0] == value), None)
+    if found is None:
+        raise UsageError(f"--quantize {value!r} is not a format preshard quantizes to; use one of: fp8, int8")
+    return found[0]
+
+
+def quantized_max(dtype_name: str) -> float:
+    """The largest magnitude a quantized dtype (or `--quantize` value) stores: 448 for float8_e4m3fn, 127 for int8."""
+    return QUANTIZE_FORMATS[_format_key(dtype_name)][1]
+
+
+def _format_key(value: str) -> str:
+    return next((key for key, (name, _) in QUANTIZE_FORMATS.items() if value in (key, name)), value)
+
+
+def row_scales(rows: Any, dtype_name: str) -> Any:
+    """The float32 scale of each row of a 2-D floating torch tensor: `amax(|row|) / max` (1 for an all-zero row)."""
+    import torch
+
+    limit = quantized_max(dtype_name)
+    if not rows.shape[1]:
+        return torch.ones(rows.shape[0])
+    low, high = torch.aminmax(rows, dim=1)  # no |rows| copy: amax(|row|) = max(-min, max)
+    amax = torch.maximum(low.neg(), high).to(torch.float32)
+    return torch.where(amax > 0, amax / limit, torch.ones_like(amax))
+
+
+def quantize_rows(rows: Any, dtype_name: str) -> tuple[Any, Any]:
+    """(quantized rows, float32 scale per row) of a 2-D floating torch tensor: `scale = row_scales(rows)`,
+    `q = row / scale` (in float32) rounded into the dtype, so `q * scale` approximates the row.
+
+    Each row is computed from itself alone, in float32, so the result does not depend on how rows are grouped in
+    bands or which rank reads them: every TP degree stores the same model.
+    """
+    import torch
+
+    limit = quantized_max(dtype_name)
+    dtype_name = QUANTIZE_FORMATS[_format_key(dtype_name)][0]
+    work = rows.to(torch.float32, copy=True)
+    scale = row_scales(work, dtype_name)  # (the same as of `rows`: a maximum is exact in any dtype)
+    work.div_(scale[:, None]).clamp_(-limit, limit)
+    if dtype_name == "int8":
+        return work.round_().to(torch.int8), scale
+    return work.to(getattr(torch, dtype_name)), scale

@@ -27,6 +27,7 @@ import numpy as np
 from preshard.format.dtypes import DType
 from preshard.format.fileio import direct_io_array
 from preshard.format.layout import ChunkRecord, TensorLayout
+from preshard.format.quant import quantize_rows
 
 BAND_BYTES = 32 << 20
 
@@ -196,7 +197,12 @@ def cast_band(
     if numel:
         if raw.ctypes.data % layout.source_dtype.itemsize:  # a source tensor not aligned to its dtype
             raw = raw.copy()
-        _as_torch(out, layout.dtype).copy_(_as_torch(raw, layout.source_dtype))
+        source = _as_torch(raw, layout.source_dtype)
+        if layout.quantizes:  # --quantize: each row by its own scale (format/quant.py), whole rows in every band
+            source = source[:numel].reshape(count, -1)
+            _as_torch(out, layout.dtype).copy_(quantize_rows(source, layout.dtype.name)[0].reshape(-1))
+        else:
+            _as_torch(out, layout.dtype).copy_(source)
     return out, out
 
 

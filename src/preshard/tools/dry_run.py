@@ -40,6 +40,8 @@ class DryRun:
     estimate: Estimate | None
     notes: list[str] = field(default_factory=list)
     loras: list[dict[str, Any]] = field(default_factory=list)  # --lora: one entry per LoRA (`LoraSet.summary`)
+    quantize: str | None = None  # --quantize: the stored dtype of the weights quantized at conversion
+    quantized_weights: int = 0
 
 
 def dry_run(
@@ -55,6 +57,7 @@ def dry_run(
     overwrite: bool = False,
     probe: bool = True,
     loras: Any = None,
+    quantize: str | None = None,
     start_seconds: float = 0.0,
 ) -> DryRun:
     """Everything a conversion decides before writing, the space it needs and a time estimate; writes nothing.
@@ -71,7 +74,9 @@ def dry_run(
     from preshard.converter.workdir import check_output
 
     src = open_source_headers(source, subfolder=subfolder, revision=revision, token=token)
-    job, check_s = timed_check(plan_conversion, src, mesh=mesh, plan=plan, dtype=dtype, loras=loras, token=token)
+    job, check_s = timed_check(
+        plan_conversion, src, mesh=mesh, plan=plan, dtype=dtype, loras=loras, token=token, quantize=quantize
+    )
     output = Path(output)
     check_output(output, job.source.input_paths(), overwrite)
     per_rank = rank_bytes(job.layouts, job.write_order, mesh.tp)
@@ -111,6 +116,8 @@ def dry_run(
         estimate=measured,
         notes=notes,
         loras=job.source.loras.summary() if hasattr(job.source, "loras") else [],
+        quantize=job.quantize,
+        quantized_weights=sum(layout.quantizes for layout in job.layouts.values()),
     )
 
 
@@ -172,6 +179,8 @@ def dry_run_json(run: DryRun) -> dict[str, Any]:
         "output": str(run.output),
         **output_fields(run),
         "loras": [dict(lora) for lora in run.loras],
+        "quantize": run.quantize,
+        "quantized_weights": run.quantized_weights,
     }
 
 
@@ -197,6 +206,12 @@ def dry_run_text(run: DryRun) -> str:
         + (" (keys converted)" if lora["converted"] else "")
         for lora in run.loras
     ]
+    if run.quantize:
+        lines.insert(
+            3,
+            f"quantize:  {plural(run.quantized_weights, 'Linear weight')} stored as {run.quantize}, each with a "
+            "float32 per-output-channel weight_scale (counted in the bytes below)",
+        )
     lines += [f"note:      {note}" for note in run.notes]
     return "\n".join(lines)
 

@@ -105,6 +105,7 @@ def reshard_checkpoint(
         if source.manifest.mesh.cp == 1:
             check_cp_plan(source.manifest.plan, source.config, new_mesh.cp)
         return _relink(source, output, new_mesh, overwrite=overwrite, wait=wait)
+    refuse_quantized_at_another_degree(source, new_mesh.tp)
     plan: Plan | None = source.manifest.plan
     if is_transformers_config(source.config) and plan is not None and plan.name.endswith(".inferred"):
         plan = None  # inferred again at the new degree: grouped KV heads are split or kept whole depending on it
@@ -115,6 +116,16 @@ def reshard_checkpoint(
             on_tensor=on_tensor,
         )  # fmt: skip
     return write_conversion(job, output, overwrite=overwrite, wait=wait, progress=progress, on_tensor=on_tensor)
+
+
+def refuse_quantized_at_another_degree(source: PreshardedSource, tp: int) -> None:
+    """Raises UsageError when `source` was quantized at conversion: its scales were computed from the source's
+    whole rows, which a reshard to another TP degree cannot see again."""
+    if source.manifest.quantize is not None:
+        raise UsageError(
+            f"{source.given} was quantized at conversion (--quantize): reshard it to another TP degree by converting "
+            f"the source again with --tp {tp} --quantize (the same model at every degree)"
+        )
 
 
 def reshard_dry_run(
@@ -144,6 +155,8 @@ def reshard_dry_run(
     output = Path(output)
     inputs = [source.folder / f.name for f in manifest.files]
     input_bytes = sum(f.size for f in manifest.files)
+    if mesh.tp != manifest.tp:
+        refuse_quantized_at_another_degree(source, mesh.tp)
     if mesh.tp == manifest.tp:
         if manifest.mesh.cp == 1:
             check_cp_plan(manifest.plan, source.config, mesh.cp)

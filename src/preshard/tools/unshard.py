@@ -84,6 +84,7 @@ def unshard_checkpoint(
         OutputError, SourceError, Interrupted: as `convert_checkpoint`.
     """
     source = open_presharded(input, subfolder=subfolder, revision=revision, token=token)
+    refuse_quantized_at_conversion(source)  # first: it is why the cast check would also refuse
     refuse_lossy_cast(source)
     refuse_fused_loras(source)
     headers = source.source_headers()
@@ -118,6 +119,17 @@ def refuse_fused_loras(source: PreshardedSource) -> None:
             f"{source.given} was converted with {plural(len(loras), 'LoRA')} fused (--lora {loras[0].name}), "
             f"which changed {plural(len(source.manifest.source.lora_tensors()), 'tensor')}; the source cannot be "
             "rebuilt bit for bit: use the original checkpoint, or a conversion made without --lora"
+        )
+
+
+def refuse_quantized_at_conversion(source: PreshardedSource) -> None:
+    """Raises UsageError when `source` was converted with --quantize (its floating weights cannot be rebuilt)."""
+    made = source.manifest.quantized_at_conversion()
+    if made:
+        raise UsageError(
+            f"{source.given} was quantized at conversion (--quantize, {plural(len(made), 'weight')} stored as "
+            f"{source.manifest.quantize}): the source's floating weights cannot be rebuilt bit for bit; use the "
+            "original checkpoint, or a conversion made without --quantize"
         )
 
 
@@ -329,6 +341,7 @@ def unshard_dry_run(
         As `unshard_checkpoint`, before writing (a lossy cast is refused; too little space is in `space_error`).
     """
     source = open_presharded(checkpoint, subfolder=subfolder, revision=revision, token=token)
+    refuse_quantized_at_conversion(source)  # first: it is why the cast check would also refuse
     refuse_lossy_cast(source)
     refuse_fused_loras(source)
     manifest = source.manifest

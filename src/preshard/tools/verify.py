@@ -74,6 +74,7 @@ class VerifyResult:
     source_files: int = 0
     source_tensors: int = 0  # tensors compared with the source bit for bit and found equal
     lora_tensors: int = 0  # tensors a LoRA fused at conversion changed: not compared with the source
+    quantize_scales: int = 0  # scales computed at conversion (--quantize): checked by checksum, not against the source
 
     @property
     def ok(self) -> bool:
@@ -95,6 +96,8 @@ class VerifyResult:
             what += f"; {plural(self.source_tensors, 'tensor')} equal to the source bit for bit"
             if self.lora_tensors:
                 what += f" ({self.lora_tensors} changed by the LoRAs fused at conversion, not compared)"
+            if self.quantize_scales:
+                what += f" ({self.quantize_scales} scales computed at conversion, not compared)"
         if self.ok:
             return f"OK {self.checkpoint}: {what}"
         return f"FAILED {self.checkpoint}: {plural(len(self.problems), 'problem')}; checked {what}; {FIX}"
@@ -111,7 +114,7 @@ class VerifyResult:
             "damaged_tensors": list(self.damaged_tensors), "files": self.files, "bytes_hashed": self.bytes_hashed,
             "tensors": self.tensors, "chunks": self.chunks, "source": self.source,
             "source_files": self.source_files, "source_tensors": self.source_tensors,
-            "lora_tensors": self.lora_tensors,
+            "lora_tensors": self.lora_tensors, "quantize_scales": self.quantize_scales,
             "fix": None if self.ok else FIX,
         }  # fmt: skip
 
@@ -330,7 +333,9 @@ def _check_source(folder: CheckpointFolder, manifest: Manifest, src, result: Ver
     """Every tensor against the source, band by band (read once, in file order, which also yields file hashes)."""
     from preshard.sources.reader import SourceReader
 
-    for name in sorted(set(manifest.tensors) - set(src.tensors)):
+    made = set(manifest.quantized_at_conversion().values())  # --quantize's scales: no source tensor, checksums only
+    result.quantize_scales = len(made)
+    for name in sorted(set(manifest.tensors) - set(src.tensors) - made):
         result.add(f"tensor {name} is in the checkpoint but not in the source")
     for name in sorted(set(src.tensors) - set(manifest.tensors)):
         result.add(f"tensor {name} is in the source but not in the checkpoint")
