@@ -156,10 +156,8 @@ def test_an_interrupted_or_parallel_quantized_conversion_gives_the_same_bytes(co
         if len(written) == 30:
             raise RuntimeError("simulated crash")
 
-    monkeypatch.setattr(convert_module, "_after_tensor_hook", crash)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        convert_checkpoint(converted["src"], out, tp=2, quantize="fp8", progress=False)
-    monkeypatch.setattr(convert_module, "_after_tensor_hook", None)
+        convert_checkpoint(converted["src"], out, tp=2, quantize="fp8", progress=False, on_tensor=crash)
     outcome = ConversionOutcome()
     convert_checkpoint(converted["src"], out, tp=2, quantize="fp8", progress=False, outcome=outcome)
     assert outcome.status == "resumed" and outcome.kept_tensors > 0
