@@ -28,6 +28,7 @@ from preshard.errors import UsageError
 from preshard.format.manifest import Source
 from preshard.format.pipeline_record import LeftOut
 from preshard.sources.safetensors_file import read_header
+from preshard.sources.wrapped import Wrapped
 
 # (pipeline class, component) -> (the config key of the hidden state it reads, its default): documented by the
 # pipeline (diffusers 0.42.1's MiniMax-H3 encoder reads hidden_states[text_encoder_layer], default 50).
@@ -164,7 +165,7 @@ def copy_keeping_layers(source: Path, target: Path, keep: int) -> LeftOut | None
     return LeftOut(keep, layers, len(dropped), sum(e.nbytes for e in dropped.values()), tuple(modules))
 
 
-class KeptLayersSource:
+class KeptLayersSource(Wrapped):
     """A text encoder's kept layers (the copy `copy_keeping_layers` wrote) as a conversion source that records, in
     the manifest, the source it came from and what was left out (`source.left_out`): a sharded text encoder
     refuses what it lacks as a whole one does (`runtime/left_out.py`). Everything else is the copy's."""
@@ -176,8 +177,3 @@ class KeptLayersSource:
         from dataclasses import replace
 
         return replace(self.base.source_record(file_hashes), path=self.origin, left_out=self.left)
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "base":
-            raise AttributeError(name)
-        return getattr(self.base, name)

@@ -41,6 +41,7 @@ from preshard.format.dtypes import DType
 from preshard.format.manifest import LoraModule, LoraRecord, Source
 from preshard.sources import ConversionSource, SourceRows
 from preshard.sources.safetensors_file import read_header
+from preshard.sources.wrapped import Wrapped, WrappedRows
 
 TILE_ROWS = 256  # the delta is computed over tiles of this many rows, counted from row 0, whatever the bands
 FUSION_VERSION = 1  # part of a conversion's identity: another arithmetic is another conversion
@@ -557,7 +558,7 @@ def fuse_state_dict(state: dict[str, torch.Tensor], loras: LoraSet) -> dict[str,
 # The source the converter reads
 
 
-class FusedRows:
+class FusedRows(WrappedRows):
     """A source's rows with the LoRAs fused into the tensors they touch (the base reader hashes the raw bytes)."""
 
     def __init__(self, base: SourceRows, loras: LoraSet, shapes: dict[str, tuple[tuple[int, ...], DType]]):
@@ -587,22 +588,8 @@ class FusedRows:
         if work is not raw:
             raw[:] = work
 
-    def file_of(self, name: str) -> str:
-        return self.base.file_of(name)
 
-    def file_hashes(self, names: set[str] | None = None) -> dict[str, str]:
-        return self.base.file_hashes(names)
-
-    def close(self) -> None:
-        self.base.close()
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "base":
-            raise AttributeError(name)
-        return getattr(self.base, name)
-
-
-class FusedSource:
+class FusedSource(Wrapped):
     """A conversion source whose weights are the base's with the LoRAs fused: `plan_conversion`'s one hook.
 
     Everything else is the base's; the identity (what a resume must match) adds the LoRAs' content hashes and
@@ -643,11 +630,6 @@ class FusedSource:
 
     def source_record(self, file_hashes: dict[str, str]) -> Source:
         return replace(self.base.source_record(file_hashes), loras=self.loras.records())
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "base":
-            raise AttributeError(name)
-        return getattr(self.base, name)
 
 
 def with_loras(

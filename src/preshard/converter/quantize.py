@@ -31,6 +31,7 @@ from preshard.format.manifest import Source
 from preshard.format.plan import Plan, resolve_plan
 from preshard.format.quant import QUANTIZE_SCALE, recognise, row_scales
 from preshard.sources import ConversionSource, SourceRows
+from preshard.sources.wrapped import Wrapped, WrappedRows
 
 QUANTIZE_VERSION = 1  # part of a conversion's identity: another arithmetic is another conversion
 
@@ -93,7 +94,7 @@ def scale_name(weight: str) -> str:
     return f"{weight.rpartition('.')[0]}.{QUANTIZE_SCALE}"
 
 
-class QuantizedRows:
+class QuantizedRows(WrappedRows):
     """A source's rows, with the rows of the scales the quantized weights get (the weights' rows are quantized
     where bands are cut; the base reader reads and hashes the raw bytes)."""
 
@@ -170,19 +171,8 @@ class QuantizedRows:
                 return index
         return len(kept)
 
-    def file_hashes(self, names: set[str] | None = None) -> dict[str, str]:
-        return self.base.file_hashes(names)
 
-    def close(self) -> None:
-        self.base.close()
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "base":
-            raise AttributeError(name)
-        return getattr(self.base, name)
-
-
-class QuantizedSource:
+class QuantizedSource(Wrapped):
     """A conversion source whose chosen weights are stored quantized, each followed by its scale: the tensors the
     checkpoint holds (`shapes`, `read_order`); the files, hashes and provenance are the base's, and the identity
     (what a resume must match) adds the format."""
@@ -240,11 +230,6 @@ class QuantizedSource:
 
     def source_record(self, file_hashes: dict[str, str]) -> Source:
         return self.base.source_record(file_hashes)
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "base":
-            raise AttributeError(name)
-        return getattr(self.base, name)
 
 
 def with_quantize(source: ConversionSource, plan: Plan, fmt: str) -> QuantizedSource:
