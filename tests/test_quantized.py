@@ -390,3 +390,20 @@ def test_math_reference_is_itself_right():
     back = q.float() * grid.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
     assert (back - w).abs().max() <= w.abs().max() * 2**-3 + 1e-6
     assert math.isclose(float(grid[0, 0]), float(w[:BLOCK, :BLOCK].abs().max()) / FP8_MAX, rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("layout", ["comfy_weight_scale", "int8_channel"])
+def test_a_lora_is_not_fused_into_quantized_weights_at_conversion(checkpoints, tmp_path, layout):
+    """Fusing would need each weight's scales recomputed: refused in one line naming the weight and its stored dtype,
+    before anything is written. The dense checkpoint takes the same LoRA (the control)."""
+    from tiny_lora import make_lora
+
+    from preshard.errors import MismatchError
+
+    model, _ = build("wan")
+    lora = make_lora(model, tmp_path / "lora.safetensors", pattern=r".*attn1\.to_q", seed=3)
+    out = tmp_path / "out"
+    with pytest.raises(MismatchError, match=r"targets blocks\.0\.attn1\.to_q\.weight, stored as (float8_e4m3fn|int8)"):
+        convert_checkpoint(checkpoints[layout], out, tp=2, progress=False, loras=[(lora, 1.0)])
+    assert not out.exists()
+    convert_checkpoint(checkpoints["dense"], tmp_path / "dense", tp=2, progress=False, loras=[(lora, 1.0)])
