@@ -493,3 +493,19 @@ def test_a_bad_left_out_record_is_refused(conditioner_sharded, tmp_path, bad, me
     edit_manifest(folder, lambda data: data["source"]["left_out"].update(bad))
     with pytest.raises(CorruptCheckpointError, match=message):
         read_manifest(folder)
+
+
+def _rank_refused_early(rank: int, world: int, folder: str) -> str | None:
+    from multiproc import error_of
+
+    from preshard.runtime.pipeline_load import load_pipeline
+
+    given = folder if rank == 0 else folder + "-missing"  # rank 1 mistyped it: it fails before any group exists
+    return error_of(lambda: load_pipeline(given, timeout=30))
+
+
+def test_a_rank_that_fails_before_the_group_exists_fails_every_rank_at_once(converted):
+    """load_pipeline joins the job as load_sharded does (bounded, the early error told to every rank), instead of
+    making the process group first: without the join, rank 0 would sit in init_process_group for torch's timeout."""
+    errors = run_ranks(_rank_refused_early, 2, str(converted["wan"]), timeout=120)
+    assert all(e is not None and e.startswith("CheckpointNotFoundError") and "-missing" in e for e in errors), errors

@@ -17,15 +17,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from preshard.errors import CheckpointNotFoundError, MismatchError, UsageError
+from preshard.errors import CheckpointNotFoundError, MismatchError, PreshardError, UsageError
 from preshard.format.dtypes import parse_cast
 from preshard.format.locate import local_path
 from preshard.format.mesh import MeshSpec
 from preshard.format.pipeline_record import PIPELINE_RECORD_NAME, PipelineRecord, read_pipeline_record
-from preshard.runtime.devices import init_rank_device
 from preshard.runtime.hub import names_repo
 from preshard.runtime.left_out import guard_left_out
 from preshard.runtime.load import load_sharded
+from preshard.runtime.rendezvous import DEFAULT_TIMEOUT_S, join_job
 
 SHARDED_ATTRIBUTE = "preshard_sharded_components"
 
@@ -95,6 +95,7 @@ def load_pipeline(
     token: str | bool | None = None,
     components: dict[str, Any] | None = None,
     blocks: Any = None,
+    timeout: float = DEFAULT_TIMEOUT_S,
     **kwargs: Any,
 ) -> Any:
     """Load a converted pipeline: every sharded component on this rank's shard, the rest whole.
@@ -112,6 +113,8 @@ def load_pipeline(
         dtype: cast the sharded components (as `load_sharded`) and load the whole ones in it (`torch_dtype`).
         components: components given in memory instead of read from the folder (as diffusers' `from_pretrained`
             takes them), e.g. a processor the folder does not hold.
+        timeout: seconds a rank waits for the others to join the job (as `load_sharded`); the ranks also agree on
+            the pipeline, dtype and mesh before the process group is made.
         blocks: for a modular pipeline, the blocks to run (`blocks.init_pipeline(folder)`; default: the blocks the
             index names, `ModularPipeline.from_pretrained`).
         **kwargs: passed to diffusers' `from_pretrained` (standard pipelines) or `load_components` (modular).
@@ -126,9 +129,18 @@ def load_pipeline(
         class this environment lacks, or one converted at a TP degree the job's mesh does not run. Whatever
         `load_sharded` raises for a component.
     """
-    folder, record, commit = _open_record(checkpoint, revision, token)
-    rank_device = init_rank_device(device)
-    cast = parse_cast(dtype, "dtype=")
+    error: PreshardError | None = None
+    try:
+        folder, record, commit = _open_record(checkpoint, revision, token)
+        cast = parse_cast(dtype, "dtype=")
+    except PreshardError as exc:  # told to the other ranks as they join, so that none waits for this one
+        error = exc
+    # The bounded join load_sharded makes, here first: the process group is made once, by the pipeline's ranks.
+    requests: dict[str, object] = {
+        "pipeline": [str(checkpoint), revision], "dtype": None if dtype is None else str(dtype),
+        "mesh": mesh.to_dict() if mesh else [cp, ring, ulysses, order],
+    }  # fmt: skip
+    rank_device = join_job(device, requests, timeout=timeout, error=error)
     job_tp = int(record.mesh["tp"])
     if mesh is None:
         job_mesh = MeshSpec.build(job_tp, cp, ring, ulysses, order, default=MeshSpec.from_dict(record.mesh))
