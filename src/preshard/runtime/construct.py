@@ -86,7 +86,8 @@ def read_checkpoint_config(checkpoint: Path | CheckpointFolder, manifest: Manife
 def build_model(
     model: type | Callable[[], nn.Module] | nn.Module, checkpoint: Path, config: dict[str, Any] | None
 ) -> nn.Module:
-    """A class (built from the checkpoint's config.json), a zero-argument factory, or an instance.
+    """A class (built from the checkpoint's config.json, in eval mode), a zero-argument factory, or an instance
+    (both as they come).
 
     Raises:
         UsageError: `model` is none of those. MismatchError: the class is not the checkpoint's class.
@@ -115,9 +116,10 @@ def build_model(
                 f"{checkpoint} holds a {declared} checkpoint, not {model.__name__}; pass the matching class"
             )
         kwargs = {k: v for k, v in config.items() if not k.startswith("_")}
-        try:
+        try:  # in eval mode, as `from_pretrained` leaves it (T5FilmDecoder's dropout would otherwise be on)
             with parameters_on_meta():
-                return model.from_config(kwargs) if hasattr(model, "from_config") else model(**kwargs)
+                built = model.from_config(kwargs) if hasattr(model, "from_config") else model(**kwargs)
+            return built.eval()
         except (TypeError, ValueError) as exc:
             raise MismatchError(f"cannot build {model.__name__} from {checkpoint}'s config.json: {exc}") from None
     if callable(model):
