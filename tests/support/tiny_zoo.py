@@ -3,7 +3,9 @@ tests use (tiny_zoo.json, written by scripts/make_tiny_zoo.py from a diffusers c
 for classes diffusers' tests give none that runs on CPU (every other tiny_zoo_*.json beside it, same format).
 
 `build(key, seed)` gives the model (seeded weights, float32, eval mode) and its forward inputs; a float tensor the
-JSON keeps by shape only is drawn from a generator seeded by `seed`, the same on every rank.
+JSON keeps by shape only is drawn from a generator seeded by `seed`, the same on every rank. An entry with
+`"redraw_zeros": true` has every all-zero parameter drawn again (after the seeded init, so the same on every rank):
+a zero-initialised modulation would gate the attention off and let any sharding of it pass.
 """
 
 from __future__ import annotations
@@ -63,6 +65,11 @@ def build_entry(entry: dict[str, Any], seed: int = 0) -> tuple[torch.nn.Module, 
 
     torch.manual_seed(seed)
     model = getattr(diffusers, entry["class"])(**entry["init"]).eval().float()
+    if entry.get("redraw_zeros"):  # zero-initialised gates (Kandinsky's modulation) would hide what TP does
+        with torch.no_grad():
+            for param in model.parameters():
+                if not param.any():
+                    param.normal_(0.0, 0.5)
     gen = torch.Generator().manual_seed(seed + 1)
     inputs = {k: _decode(v, gen) for k, v in entry["inputs"]["dict"].items()}
     return model, inputs

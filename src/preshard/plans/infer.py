@@ -52,10 +52,13 @@ HEAD_ATTRIBUTES = (
 HEAD_CONFIG_KEYS = ("num_attention_heads", "num_key_value_heads", "num_kv_heads", "num_heads", "num_single_heads")
 ADALN_SHARE = 0.10  # modulation projections are split only above this share of the parameters
 
-_OUTPUT = re.compile(r"^(to_out(\.0)?|to_add_out|to_out_t|o_proj|out_proj|.*attn_proj|.*_out)$")
+_OUTPUT = re.compile(r"^(to_out(\.0)?|to_add_out|to_out_t|o_proj|out_proj|out_layer|.*attn_proj|.*_out)$")
 _QKV = re.compile(r"qkv")
 _KV = re.compile(r"(^|_)kv(_|$)")
-_SINGLE = re.compile(r"^(to_[qkv](_t)?|add_[qkv]_proj|[qkv]_proj|to_gate|gate_proj|to_gate_logits)$")
+_SINGLE = re.compile(
+    r"^(to_[qkv](_t)?|to_(query|key|value)|add_[qkv]_proj|[qkv]_proj|to_gate|gate_proj|to_gate_logits)$"
+)
+_QUERY = ("to_q", "to_query", "q_proj", "q_linear")  # a query projection's names, whose width is the heads'
 _MLP_CLASS = re.compile(r"feedforward|mlp|ffn|swiglu|glu", re.IGNORECASE)
 _MLP_NAME = re.compile(r"^(ff|ffn|mlp|feed_forward|ff_context|ffn_context|mlp_context|txt_mlp|img_mlp)$")
 _ADALN = re.compile(r"(^|\.)(norm[^.]*\.linear|[^.]*adaln[^.]*|[^.]*modulation[^.]*)(\.|$)", re.IGNORECASE)
@@ -130,7 +133,10 @@ def _head_dim(module: nn.Module) -> int | None:
         value = _int_attr(module, attr)
         if value is not None:
             return value
-    inner, heads = _int_attr(module, "inner_dim"), _int_attr(module, "heads")
+    inner, heads = _int_attr(module, "inner_dim"), _int_attr(module, "heads") or _int_attr(module, "num_heads")
+    if inner is None:  # no width attribute (Kandinsky's attention): the query projection's
+        query = next((getattr(module, n) for n in _QUERY if isinstance(getattr(module, n, None), nn.Linear)), None)
+        inner = query.out_features if query is not None else None
     if inner is not None and heads is not None and heads > 0 and inner % heads == 0:
         return inner // heads
     return None
