@@ -5,11 +5,13 @@ for classes diffusers' tests give none that runs on CPU (every other tiny_zoo_*.
 `build(key, seed)` gives the model (seeded weights, float32, eval mode) and its forward inputs; a float tensor the
 JSON keeps by shape only is drawn from a generator seeded by `seed`, the same on every rank. An entry with
 `"redraw_zeros": true` has every all-zero parameter drawn again (after the seeded init, so the same on every rank):
-a zero-initialised modulation would gate the attention off and let any sharding of it pass.
+a zero-initialised modulation would gate the attention off and let any sharding of it pass. `{"object":
+"diffusers.x.y.Class", "args": [...]}` is an instance of that diffusers class (Wan-Animate 2's KV cache).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 from functools import cache
 from pathlib import Path
@@ -34,6 +36,11 @@ def _decode(value: Any, gen: torch.Generator) -> Any:
         if "values" in value:
             return torch.tensor(value["values"], dtype=dtype).reshape(value["tensor"])
         return torch.randn(value["tensor"], generator=gen).to(dtype)
+    if isinstance(value, dict) and "object" in value:  # a diffusers helper the forward takes (a KV cache to fill)
+        module, _, name = value["object"].rpartition(".")
+        if not module.startswith("diffusers."):
+            raise ValueError(f"tiny zoo objects come from diffusers only, not {value['object']}")
+        return getattr(importlib.import_module(module), name)(*[_decode(v, gen) for v in value.get("args", [])])
     if isinstance(value, dict) and "int_keys" in value:
         return {int(k): _decode(v, gen) for k, v in value["int_keys"].items()}
     if isinstance(value, dict) and "dict" in value:
