@@ -93,3 +93,19 @@ def test_show_plan_writes_the_chosen_plan_as_a_plan_file_that_reads_back_the_sam
     written = load_plan(out)
     assert written.to_dict() == choose_plan(None, json.loads((source / "config.json").read_text())).to_dict()
     assert written.name == "inferred-CogVideoXTransformer3DModel"
+
+
+@pytest.mark.quick
+def test_kandinsky_attention_by_its_own_names_with_the_head_width_from_its_query():
+    import diffusers
+    from tiny_zoo import config
+
+    from preshard.plans.from_model import build_on_meta
+
+    init = {k: v for k, v in config("Kandinsky5Transformer3DModel").items() if not k.startswith("_")}
+    model = build_on_meta(diffusers.Kandinsky5Transformer3DModel, init)
+    styles = _styles(infer_plan(model))
+    attention = "visual_transformer_blocks.*.cross_attention"
+    assert {styles[f"{attention}.{p}"] for p in ("to_query", "to_key", "to_value")} == {"colwise"}
+    assert styles[f"{attention}.out_layer"] == "rowwise"
+    assert f"{attention}.query_norm" not in styles  # over one head (8 of 32 features): whole

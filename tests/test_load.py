@@ -477,3 +477,16 @@ def test_loaded_weights_are_the_checkpoints(tp1, models):
     state = load_file(str(Path(read_manifest(tp1).source.path) / WEIGHTS_NAME))
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, state[name]), name
+
+
+@pytest.mark.quick
+def test_a_class_is_built_in_eval_mode_as_from_pretrained_leaves_it_and_a_factory_as_it_comes(tmp_path):
+    import diffusers
+
+    from preshard.runtime.construct import build_model
+
+    config = {"_class_name": "T5FilmDecoder", "d_model": 16, "num_layers": 1, "num_heads": 2, "d_kv": 8, "d_ff": 32}
+    built = build_model(diffusers.T5FilmDecoder, tmp_path, config)
+    assert not any(m.training for m in built.modules())  # its dropout (0.1) off
+    factory = build_model(lambda: diffusers.T5FilmDecoder(d_model=16, num_layers=1, num_heads=2), tmp_path, None)
+    assert factory.training  # the caller's own module, untouched
