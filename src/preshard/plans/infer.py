@@ -2,10 +2,11 @@
 
 Sharding stays inside units whose input and output are whole on every rank, so that whatever lies between them
 runs replicated, unchanged and correct:
-- attention (diffusers' modules with a processor): the q/k/v projections (separate, or fused `to_qkv`/`to_kv`
-  as packed blocks, grouped KV heads included) and the added text projections colwise, the output projections
-  rowwise, the head-count attributes divided; a q/k norm over one head stays whole, one across all heads of a
-  column-split projection takes `tp_rms_norm`;
+- attention (diffusers' modules with a processor): the q/k/v projections (separate, Kandinsky's `to_query`/
+  `to_key`/`to_value` too, or fused `to_qkv`/`to_kv` as packed blocks, grouped KV heads included) and the added
+  text projections colwise, the output projections (`out_layer` too) rowwise, the head-count attributes divided;
+  a q/k norm over one head (the query's width over the head count where no attribute gives it) stays whole, one
+  across all heads of a column-split projection takes `tp_rms_norm`;
 - feed-forwards: diffusers' `FeedForward` (GELU, GEGLU, SwiGLU, ...; a packed `[hidden; gate]` projection as two
   packed blocks) and MLP modules of two or three Linear layers (up/gate colwise, down rowwise);
 - single-stream blocks whose attention has no output projection and whose `proj_out` takes `cat([attn, mlp])`:
