@@ -76,13 +76,18 @@ def test_an_inferred_plans_row_is_at_the_class_defaults_and_in_the_doc(tmp_path)
     assert memory_table.table([row]).splitlines()[-1] in DOC
 
 
-def test_a_text_encoders_row_is_the_per_degree_estimate(tmp_path):
-    """T5-v1.1-XXL: the row's bytes per rank are the pipeline planner's for a sharded text encoder, whose plan is
-    inferred again at each TP degree."""
-    row = memory_table.measure(_model("T5-v1.1-XXL encoder"), tmp_path / "row")
-    degrees = memory_table.DEGREES
-    assert {tp: row.per_rank[tp] for tp in degrees} == _text_encoder_per_rank(tmp_path / "row", degrees, None, None)
-    assert round(row.params / 1e9, 2) == 4.76 and not row.cp
+@pytest.mark.parametrize("name", ["T5-v1.1-XXL encoder", "Qwen2.5-VL 7B (text + vision)"])
+def test_a_text_encoders_row_is_the_per_degree_estimate(name, tmp_path):
+    """The row's bytes per rank, at every degree, are the pipeline planner's for a sharded text encoder, whose plan
+    is inferred again at each TP degree. Qwen2.5-VL's 4 KV heads are computed whole at tp=28 (and its MLP, whose
+    18944 features 28 does not divide, stays whole): a degree the tp=1 plan, splitting k/v, would not list."""
+    row = memory_table.measure(_model(name), tmp_path / "row")
+    assert row.per_rank == _text_encoder_per_rank(tmp_path / "row", row.tp_degrees, None, None)
+    assert not row.cp
+    if name.startswith("Qwen2.5"):
+        assert row.tp_degrees == [1, 2, 4, 28] and row.per_rank[28] > row.per_rank[4]
+    else:
+        assert round(row.params / 1e9, 2) == 4.76 and row.tp_degrees == [1, 2, 4, 8, 16, 32, 64]
     assert memory_table.table([row]).splitlines()[-1] in DOC
 
 
