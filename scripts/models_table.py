@@ -130,6 +130,7 @@ def main(results: str, out: str) -> None:
         "default config on the meta device (parameters, TP degrees). Nothing here ran on a GPU. Plan sources: a",
         "built-in JSON plan, the class's own diffusers `_tp_plan`, or the plan inferred from its modules",
         "([design](design.md#plans-inferred-from-the-model)). A case key with `#2` is a second test config.",
+        "Weights per rank of each class at full size, at TP 1 to 8: [memory.md](memory.md).",
         "",
         f"{len(keys)} test cases; {len(matched)} converted and ran at tp2; {len(run['refused'])} refused. The last"
         f" {len(untested)} rows are classes with no tiny config that runs here (none in diffusers' tests, or its"

@@ -155,7 +155,7 @@ def test_weights_per_rank_match_a_hand_count_and_adaln_replicated_never_fits(h3_
 
 
 def test_smallest_fitting_mesh_leaves_the_recommendations_headroom(h3_full):
-    """The "smallest TP" per device size of the model table (docs/models-and-plans.md): the first TP degree whose
+    """The "smallest TP" per device size of the model table (docs/memory.md): the first TP degree whose
     weights leave 20 % free (24 GiB: tp=4 at 15.57 GiB, as the recommendation; tp=2's 30.95 GiB would not even fit
     32 GiB with headroom)."""
     from preshard.errors import UsageError

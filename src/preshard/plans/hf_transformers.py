@@ -25,6 +25,7 @@ Mixture-of-experts layers (experts not held as Linear children by these names) s
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -114,6 +115,7 @@ class _Inferred:
         self.styles: dict[str, Style] = {}
         self.attention: dict[str, tuple[str, ...]] = {}
         self.split_outputs: dict[str, dict[int, SeqDim]] = {}
+        self.heads: list[int] = []  # each attention block's query heads
 
     def attention_block(self, name: str, module: nn.Module, names: tuple[str, ...], linears: list[nn.Linear]) -> None:
         q, k, v, o = linears
@@ -124,6 +126,7 @@ class _Inferred:
                 "heads cannot be split; pass a plan file (--plan FILE) or use --tp 1"
             )
         heads, kv_heads = q.out_features // head_dim, k.out_features // head_dim
+        self.heads.append(heads)
         if heads % self.tp:
             raise PlanError(
                 f"--tp {self.tp} does not divide the {heads} attention heads of {name}; TP degrees that divide "
@@ -230,7 +233,31 @@ def plan_for_transformers(config: dict[str, Any], tp: int = 1) -> Plan:
         PlanError: transformers lacks the class or rejects the config; a block inference cannot place at `tp`
             (one line naming the module and why, with the degrees that work where a degree is the problem).
     """
+    return _plan_at(build_transformers_on_meta(config), tp)
+
+
+def plans_by_degree(config: dict[str, Any]) -> dict[int, Plan]:
+    """The plan inferred at every TP degree inference places each block at (divisors of the query heads; one meta
+    build for all), as a conversion at that degree infers it: the planner sizes each degree with its own plan,
+    since grouped KV heads are split at some degrees and computed whole at others.
+
+    Raises:
+        PlanError: transformers lacks the class or rejects the config.
+    """
     model = build_transformers_on_meta(config)
+    heads = 0
+    for h in infer(model, 1).heads:
+        heads = math.gcd(heads, h)
+    plans = {}
+    for tp in [d for d in range(1, heads + 1) if heads % d == 0] or [1]:
+        try:
+            plans[tp] = _plan_at(model, tp)
+        except PlanError:
+            continue
+    return plans
+
+
+def _plan_at(model: nn.Module, tp: int) -> Plan:
     cls = type(model)
     found = infer(model, tp)
     names = [n for n, _ in model.named_modules() if n]

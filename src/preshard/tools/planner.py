@@ -193,7 +193,18 @@ def plan_meshes(
         order = [renames.get(n, n) for n in order]
     whole = resolve_plan(chosen, shapes, 1, cast=cast, config=config, check_divisible=False)
     degrees = valid_tp_degrees(chosen, whole, config)
-    if is_transformers_config(config):  # the heads decide, at each degree (KV heads split or computed whole)
+    at_degree: dict[int, Plan] = {}  # a transformers model's inferred plan at each degree, as converted at it
+    if is_transformers_config(config) and plan is None:
+        from preshard.plans.hf_transformers import plans_by_degree
+
+        for tp, inferred in plans_by_degree(config).items():
+            try:
+                resolve_plan(inferred, shapes, tp, cast=cast, config=config)
+            except PlanError:
+                continue
+            at_degree[tp] = inferred
+        degrees = sorted(at_degree)
+    elif is_transformers_config(config):  # the heads decide, at each degree (KV heads split or computed whole)
         degrees = workable_degrees(config, degrees)
     memory = int(device_memory_gib * GIB) if device_memory_gib is not None else None
     heads = config.get("num_attention_heads")
@@ -208,7 +219,7 @@ def plan_meshes(
 
     meshes: list[MeshEstimate] = []
     for tp in [d for d in degrees if devices is None or d <= devices]:
-        per_rank = rank_bytes(resolve_plan(chosen, shapes, tp, cast=cast, config=config), order, tp)
+        per_rank = rank_bytes(resolve_plan(at_degree.get(tp, chosen), shapes, tp, cast=cast, config=config), order, tp)
         if devices is not None and devices % tp == 0 and (no_cp is None or tp == devices):
             splits = [(ring, devices // tp // ring) for ring in _divisors(devices // tp)]
         else:
