@@ -170,7 +170,9 @@ def test_the_plan_is_inferred_by_block_kind(checkpoints):
     assert styles[f"{text}.layers.0.self_attn.o_proj.weight"] == "rowwise"
     assert styles[f"{text}.layers.0.mlp.gate_proj.weight"] == styles[f"{text}.layers.0.mlp.up_proj.weight"] == "colwise"
     assert styles[f"{text}.layers.0.mlp.down_proj.weight"] == "rowwise"
-    assert styles[f"{text}.embed_tokens.weight"] == styles[f"{text}.norm.weight"] == "replicate"
+    assert styles[f"{text}.norm.weight"] == "replicate"
+    assert styles[f"{text}.embed_tokens.weight"] == "vocab_parallel"  # tied to lm_head: stored once, split by rows
+    assert "lm_head.weight" not in styles
     pixtral = {s for n, s in styles.items() if n.startswith("model.vision_tower.")}  # q/k/v/o_proj, yet whole
     assert pixtral == {"replicate"}
     gemma = read_manifest(checkpoints["gemma3"])  # per-head q/k norms stay whole
