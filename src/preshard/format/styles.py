@@ -243,7 +243,8 @@ class VocabParallel(Style):
         if module.max_norm is not None:
             return "renormalises the rows it looks up (max_norm), which a split vocabulary cannot do alike"
         forward = type(module).forward
-        if forward is not torch.nn.Embedding.forward and "super" not in getattr(forward, "__code__", forward).co_names:
+        code = getattr(forward, "__code__", None)
+        if forward is not torch.nn.Embedding.forward and (code is None or "super" not in code.co_names):
             return (
                 f"is a {type(module).__name__} whose forward does not call nn.Embedding's, and vocab_parallel splits "
                 "that lookup only"

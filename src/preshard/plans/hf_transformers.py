@@ -215,7 +215,7 @@ def _count(n: int) -> str:
 def vocabulary(model: nn.Module, tp: int) -> tuple[dict[str, Style], str]:
     """The vocabulary's modules and their styles at `tp` (none: kept whole), and the choice in words for the plan's
     description (see the module docstring for the rule)."""
-    weights = []
+    weights: list[nn.Parameter] = []
     for getter in ("get_input_embeddings", "get_output_embeddings"):
         try:
             found = getattr(model, getter)() if callable(getattr(model, getter, None)) else None
