@@ -14,8 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from preshard.errors import PlanError
-from preshard.format.styles import Colwise, Rowwise
-from preshard.plans.hf_transformers import build_transformers_on_meta, infer
+from preshard.plans.hf_transformers import build_transformers_on_meta, infer, vocabulary
 
 GIB = 1024**3
 
@@ -99,12 +98,12 @@ DEGREES = (1, 2, 4, 8)
 
 def rank_bytes(model: Any, tp: int) -> int:
     """bf16 bytes of one rank's weights under the plan inferred at `tp` (raises PlanError where it refuses)."""
-    styles = infer(model, tp).styles
+    styles = {**infer(model, tp).styles, **vocabulary(model, tp)[0]}  # the vocabulary split by rows where it is
     total = 0
-    for name, param in model.named_parameters():
+    for name, param in model.named_parameters():  # a tied weight once
         module, _, leaf = name.rpartition(".")
         style = styles.get(module)
-        split = isinstance(style, Colwise) or (isinstance(style, Rowwise) and leaf == "weight")
+        split = style is not None and style.shard_dim(leaf) is not None
         total += param.numel() // tp if split else param.numel()
     return 2 * total
 

@@ -170,7 +170,9 @@ def test_the_plan_is_inferred_by_block_kind(checkpoints):
     assert styles[f"{text}.layers.0.self_attn.o_proj.weight"] == "rowwise"
     assert styles[f"{text}.layers.0.mlp.gate_proj.weight"] == styles[f"{text}.layers.0.mlp.up_proj.weight"] == "colwise"
     assert styles[f"{text}.layers.0.mlp.down_proj.weight"] == "rowwise"
-    assert styles[f"{text}.embed_tokens.weight"] == styles[f"{text}.norm.weight"] == "replicate"
+    assert styles[f"{text}.norm.weight"] == "replicate"
+    assert styles[f"{text}.embed_tokens.weight"] == "vocab_parallel"  # tied to lm_head: stored once, split by rows
+    assert "lm_head.weight" not in styles
     pixtral = {s for n, s in styles.items() if n.startswith("model.vision_tower.")}  # q/k/v/o_proj, yet whole
     assert pixtral == {"replicate"}
     gemma = read_manifest(checkpoints["gemma3"])  # per-head q/k norms stay whole
@@ -293,3 +295,26 @@ def test_another_models_class_is_refused_at_load(tmp_path):
         build_model(tf.T5EncoderModel, tmp_path / "src", config)
     built = build_model(type(model), tmp_path / "src", config)
     assert not built.training and next(built.parameters()).device.type == "meta"
+
+
+@pytest.mark.quick
+def test_the_vocabulary_is_split_as_memory_asks_and_kept_whole_where_the_degree_does_not_divide_it():
+    from dataclasses import replace
+
+    from preshard.format.plan import resolve_plan
+    from preshard.plans.hf_transformers import plan_for_transformers
+
+    def vocab_rules(plan):
+        return {r.match: r.style.name for r in plan.linear if r.style.name in ("vocab_parallel", "colwise_gather")}
+
+    config = json.loads(_configs()["qwen3vl_text"][1].to_json_string()) | {"architectures": ["Qwen3VLTextModel"]}
+    assert vocab_rules(plan_for_transformers(config, 2)) == {"embed_tokens": "vocab_parallel"}
+    odd = plan_for_transformers(config | {"vocab_size": 63}, 2)  # 63 rows do not split in two: whole, and why
+    assert vocab_rules(odd) == {} and "vocabulary whole at tp=2: 2 does not divide its 63 rows" in odd.description
+    small = plan_for_transformers(config | {"vocab_size": 8}, 2)  # 256 of ~18 600 parameters: under 2 %
+    assert vocab_rules(small) == {} and "under the 2% split by vocabulary rows" in small.description
+    # A plan file naming the split where the degree does not divide the rows is refused, naming the degrees.
+    split = plan_for_transformers(config, 2)
+    split = replace(split, linear=tuple(r for r in split.linear if r.match == "embed_tokens"), attention=())
+    with pytest.raises(PlanError, match=r"--tp 2 does not divide embed_tokens\.weight dim 0 \(size 63\)"):
+        resolve_plan(split, {"embed_tokens.weight": ((63, 32), torch.float32)}, 2)

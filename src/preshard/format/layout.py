@@ -79,6 +79,11 @@ class TensorLayout:
                     f"{style.name} names {name} of shape {list(shape)}, which is not a norm weight or bias "
                     "[features]; point the rule at RMSNorm modules only"
                 )
+            if style.module_kind == "embedding":
+                raise PlanError(
+                    f"{style.name} names {name} of shape {list(shape)}, which is not an Embedding weight "
+                    "[vocab, dim]; point the rule at Embedding modules only"
+                )
             raise PlanError(
                 f"{style.name} names {name} of shape {list(shape)}, which is not a Linear weight [out, in] or "
                 "bias [out]; point the rule at Linear modules only"

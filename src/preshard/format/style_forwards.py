@@ -63,6 +63,21 @@ def kv_head_select_forward(linear, x, tp_rank, tp, all_reduce) -> torch.Tensor:
     return F.linear(x, linear.weight[start : start + width], bias)
 
 
+def colwise_gather_forward(linear, x, tp_rank, tp, all_gather) -> torch.Tensor:
+    """This rank's output features (its vocabulary rows, for an lm_head), all-gathered along the last dim."""
+    return all_gather(F.linear(x, dequantized_weight(linear), linear.bias))
+
+
+def vocab_parallel_forward(embedding, ids: torch.Tensor, tp_rank: int, tp: int, all_reduce) -> torch.Tensor:
+    """Look up the ids in this rank's vocabulary rows `[r*V/T, (r+1)*V/T)`, zeros for the others, summed over the
+    TP group: every id's row comes from the one rank holding it."""
+    rows = embedding.weight.shape[0]
+    local = ids - tp_rank * rows
+    outside = (local < 0) | (local >= rows)
+    found = F.embedding(local.masked_fill(outside, 0), embedding.weight)
+    return all_reduce(found.masked_fill(outside.unsqueeze(-1), 0))
+
+
 def _computation_dtype(dtype: torch.dtype) -> torch.dtype:
     """float32 for 16-bit floats (as torch's own rms_norm upcasts), else the dtype itself."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype

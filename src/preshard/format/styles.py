@@ -17,6 +17,13 @@ One style applies to a norm rather than a Linear: `tp_rms_norm`, an RMSNorm over
 column-split projection (Wan's and LTX-2's `qk_norm="rms_norm_across_heads"`). Its weight is split like those
 features; each rank sums the squares of its features in float32, all-reduces the sum over the TP group and
 divides by the full width, so every rank normalises by the RMS of the whole row, exactly as the unsharded norm.
+
+Two styles split a vocabulary by rows (a model's token embedding and its lm_head), each rank holding rows
+`[r*V/T, (r+1)*V/T)`: `vocab_parallel` on an nn.Embedding looks up the ids in its rows (zeros for the others) and
+all-reduces the sum, in which exactly one rank adds each row, so the sum is the row itself bit for bit;
+`colwise_gather` on a Linear (an lm_head, tied to that embedding or not) computes its rows' outputs and
+all-gathers them along the last dim, so every rank returns the full logits. Like every split here, T must divide
+V (the plan is refused otherwise, naming the degrees that do; inference keeps such a vocabulary whole).
 """
 
 from __future__ import annotations
@@ -39,8 +46,12 @@ class Style:
     bias_dim: ClassVar[int | None] = None
     packed: ClassVar[bool] = False
     reduces_output: ClassVar[bool] = False
-    # What the style applies to: "linear" (weight [out, in], bias [out]) or "norm" (weight and bias [features]).
+    # What the style applies to: "linear" (weight [out, in], bias [out]), "norm" (weight and bias [features]) or
+    # "embedding" (an nn.Embedding's weight [vocab, dim]).
     module_kind: ClassVar[str] = "linear"
+    # The TP group's collective the rewired forward combines the ranks' results with: "all_reduce" (sum) or
+    # "all_gather" (concatenated along the last dim).
+    collective: ClassVar[str] = "all_reduce"
 
     # A packed style's blocks: a count of equal blocks or the block sizes, as the plan gives them.
     blocks: int | tuple[int, ...] | None = None
@@ -63,11 +74,13 @@ class Style:
         return sizes
 
     def weight_ndim(self) -> int:
-        """How many dims the module's weight has: 2 for a Linear `[out, in]`, 1 for a norm `[features]`."""
+        """How many dims the module's weight has: 2 for a Linear `[out, in]` or an Embedding `[vocab, dim]`, 1 for a
+        norm `[features]`."""
         return 1 if self.module_kind == "norm" else 2
 
     def parallel_forward(self) -> Callable[..., Any] | None:
-        """`forward(module, x, tp_rank, tp, all_reduce)` for a rewired module; None leaves it unchanged."""
+        """`forward(module, x, tp_rank, tp, combine)` for a rewired module, `combine` the TP group's `collective`;
+        None leaves it unchanged."""
         return None
 
     def to_dict(self) -> dict[str, Any]:
@@ -188,10 +201,64 @@ class KVHeadSelect(Style):
         return kv_head_select_forward
 
 
+@dataclass(frozen=True)
+class ColwiseGather(Colwise):
+    """Output features split as colwise, then all-gathered along the last dim: every rank returns the whole output.
+    For an lm_head over a vocabulary split by rows: each rank computes its V/T logits, the gather gives all V."""
+
+    name: ClassVar[str] = "colwise_gather"
+    collective: ClassVar[str] = "all_gather"
+
+    def parallel_forward(self) -> Callable[..., Any]:
+        from preshard.format.style_forwards import colwise_gather_forward
+
+        return colwise_gather_forward
+
+
+@dataclass(frozen=True)
+class VocabParallel(Style):
+    """An nn.Embedding split by vocabulary rows: rank r holds rows `[r*V/T, (r+1)*V/T)`, looks up the ids in them
+    (a zero vector for the others) and all-reduces the sum over the TP group, which is the unsharded lookup exactly
+    (each row comes from one rank, every other adds zeros). An id outside the vocabulary gives a zero vector where
+    the unsharded embedding raises an index error."""
+
+    name: ClassVar[str] = "vocab_parallel"
+    weight_dim: ClassVar[int | None] = 0
+    module_kind: ClassVar[str] = "embedding"
+
+    def parallel_forward(self) -> Callable[..., Any]:
+        from preshard.format.style_forwards import vocab_parallel_forward
+
+        return vocab_parallel_forward
+
+    @staticmethod
+    def unsupported(module: Any) -> str | None:
+        """Why `module` cannot take this style (None: it can): an nn.Embedding without `max_norm` (which renormalises
+        the rows it looks up, in place), of torch's class or of a subclass whose own forward, if it has one, calls
+        `super()` and so computes on nn.Embedding's lookup (Gemma-3's scaled embedding multiplies it by a constant)."""
+        import torch
+
+        if not isinstance(module, torch.nn.Embedding):
+            return f"is a {type(module).__name__}, not an nn.Embedding"
+        if module.max_norm is not None:
+            return "renormalises the rows it looks up (max_norm), which a split vocabulary cannot do alike"
+        forward = type(module).forward
+        code = getattr(forward, "__code__", None)
+        if forward is not torch.nn.Embedding.forward and (code is None or "super" not in code.co_names):
+            return (
+                f"is a {type(module).__name__} whose forward does not call nn.Embedding's, and vocab_parallel splits "
+                "that lookup only"
+            )
+        return None
+
+
 STYLES: dict[str, type[Style]] = {
     cls.name: cls
-    for cls in (Style, Colwise, Rowwise, PackedColwise, PackedRowwise, ReplicatedInputRowwise, TPRMSNorm, KVHeadSelect)
-}
+    for cls in (
+        Style, Colwise, Rowwise, PackedColwise, PackedRowwise, ReplicatedInputRowwise, TPRMSNorm, KVHeadSelect,
+        ColwiseGather, VocabParallel,
+    )
+}  # fmt: skip
 REPLICATE = Style()
 
 

@@ -15,8 +15,16 @@ blocks it is made of, not from its name:
 - feed-forward: Linear children `gate_proj, up_proj, down_proj` (SwiGLU), `wi_0, wi_1, wo` (T5 v1.1/UMT5 gated
   GELU), `wi, wo` (T5): the input projections colwise, the output projection rowwise, when nothing else in the
   module holds weights (a norm over the intermediate features would see a slice).
-- everything else stays whole: embeddings, final norms, `lm_head`, and every vision tower or projector (a path
-  component naming `vision`/`visual`/`multi_modal_projector`), which is always exact.
+- the vocabulary: the input embedding (`get_input_embeddings()`) and the output one (`get_output_embeddings()`, an
+  lm_head, tied to the input embedding or not), and every module holding the same weight under another name (T5's
+  `shared` and `encoder.embed_tokens`), are split by vocabulary rows (`vocab_parallel` for an Embedding,
+  `colwise_gather` for a Linear) when they are "as memory asks": at least `VOCAB_SPLIT_SHARE` of the model's
+  parameters (whole, counted once). The rule does not depend on T, so the plan written at tp=1 (`--show-plan`)
+  carries the choice; at a T that does not divide the vocabulary the rows cannot be cut evenly, and the vocabulary
+  stays whole. The plan's description says which, with the numbers; a plan file overrides it (the rules
+  themselves: `replicate` keeps a module whole).
+- everything else stays whole: final norms, and every vision tower or projector (a path component naming
+  `vision`/`visual`/`multi_modal_projector`), which is always exact.
 
 transformers' own `base_model_tp_plan` (Llama, Mistral, Gemma-3, Qwen2.5-VL, Qwen3 declare one) is compared with
 what is inferred: the plan says it agrees, or which module it disagrees on; the inferred styles are what runs.
@@ -34,7 +42,7 @@ from torch import nn
 
 from preshard.errors import PlanError
 from preshard.format.plan import AttentionRule, LinearRule, Plan, SeqDim, matches
-from preshard.format.styles import Colwise, KVHeadSelect, Rowwise, Style
+from preshard.format.styles import Colwise, ColwiseGather, KVHeadSelect, Rowwise, Style, VocabParallel
 from preshard.plans.model_check import folded, norm_size, rule_styles
 
 _ATTENTION_NAMES: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj", "o_proj"), ("q", "k", "v", "o"))
@@ -42,6 +50,10 @@ _MLP_NAMES: tuple[tuple[str, ...], ...] = (("gate_proj", "up_proj", "down_proj")
 _HEAD_ATTRIBUTES = ("num_heads", "n_heads", "num_attention_heads", "inner_dim")
 _KV_ATTRIBUTES = ("num_key_value_heads", "num_kv_heads")
 _REPLICATED_TOWERS = ("vision", "visual", "multi_modal_projector")
+# The vocabulary (embedding and lm_head) is split by rows when it holds at least this share of the model's parameters:
+# below it the memory saved is small beside the rest of a rank's weights, and the split costs a collective on each
+# side of the model. Every published encoder in docs/models-text-encoders.md is above it (T5-XXL lowest, at 2.8 %).
+VOCAB_SPLIT_SHARE = 0.02
 
 
 def transformers_class(config: dict[str, Any]) -> type:
@@ -179,7 +191,7 @@ def infer(model: nn.Module, tp: int) -> _Inferred:
     """Walk `model`'s modules and place every attention and feed-forward block (see the module docstring)."""
     found = _Inferred(tp)
     for name, module in model.named_modules():
-        if not name or any(t in part for part in name.split(".") for t in _REPLICATED_TOWERS):
+        if not name or _in_tower(name):
             continue
         for names in _ATTENTION_NAMES:
             linears = _linears(module, names)
@@ -193,6 +205,60 @@ def infer(model: nn.Module, tp: int) -> _Inferred:
                     found.mlp_block(name, module, names, linears)
                     break
     return found
+
+
+def _in_tower(name: str) -> bool:
+    return any(t in part for part in name.split(".") for t in _REPLICATED_TOWERS)
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 10**9 else f"{n / 1e6:.2f} M" if n >= 10**6 else str(n)
+
+
+def vocabulary(model: nn.Module, tp: int) -> tuple[dict[str, Style], str]:
+    """The vocabulary's modules and their styles at `tp` (none: kept whole), and the choice in words for the plan's
+    description (see the module docstring for the rule)."""
+    weights: list[nn.Parameter] = []
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        try:
+            found = getattr(model, getter)() if callable(getattr(model, getter, None)) else None
+        except (AttributeError, NotImplementedError):  # a class without one
+            found = None
+        weight = getattr(found, "weight", None)
+        if isinstance(found, (nn.Embedding, nn.Linear)) and isinstance(weight, nn.Parameter):
+            if all(weight is not w for w in weights):
+                weights.append(weight)
+    modules = {
+        name: module
+        for name, module in model.named_modules(remove_duplicate=False)
+        if name and not _in_tower(name) and any(getattr(module, "weight", None) is w for w in weights)
+    }
+    styles: dict[str, Style] = {}
+    for name, module in modules.items():
+        if isinstance(module, nn.Embedding) and VocabParallel.unsupported(module) is None:
+            styles[name] = VocabParallel()
+        elif isinstance(module, nn.Linear) and module.bias is None:
+            styles[name] = ColwiseGather()
+        else:
+            return {}, f"vocabulary whole: {name} ({type(module).__name__}) cannot be split by vocabulary rows"
+    if not styles:
+        return {}, "vocabulary whole: the model names no input or output embedding"
+    vocab = weights[0].shape[0]
+    total = sum(p.numel() for p in model.parameters())
+    held = sum(w.numel() for w in weights)
+    share = held / max(total, 1)
+    numbers = f"{_count(held)} of {_count(total)} parameters ({share:.1%})"
+    if any(w.shape[0] != vocab for w in weights):
+        return {}, "vocabulary whole: the input and output embeddings have different vocabularies"
+    if share < VOCAB_SPLIT_SHARE:
+        return {}, f"vocabulary whole: {numbers}, under the {VOCAB_SPLIT_SHARE:.0%} split by vocabulary rows"
+    if vocab % tp:
+        return {}, f"vocabulary whole at tp={tp}: {tp} does not divide its {vocab} rows ({numbers})"
+    names = ", ".join(f"{n} {s.name}" for n, s in styles.items())
+    return styles, (
+        f"vocabulary split by rows ({names}): {numbers}, at least {VOCAB_SPLIT_SHARE:.0%} (a plan file's rules "
+        "of style replicate keep it whole)"
+    )
 
 
 def _folded_rules(values: Mapping[str, object], modules: list[str]) -> list[str]:
@@ -264,6 +330,10 @@ def _plan_at(model: nn.Module, tp: int) -> Plan:
     styles = {n: found.styles[n] for n in names if n in found.styles}
     linear = [LinearRule(p, styles[next(n for n in names if matches(p, n) and n in styles)]) for p in
               _folded_rules(styles, names)]  # fmt: skip
+    vocab, choice = vocabulary(model, tp)
+    # Optional: which of tied modules the checkpoint stores is the checkpoint's choice, and a pipeline may leave the
+    # lm_head out (converter/left_out.py); whatever is stored is checked against the model at load.
+    linear += [LinearRule(n, style, optional=True) for n, style in vocab.items()]
     attention = [
         AttentionRule(p, found.attention[next(n for n in names if matches(p, n) and n in found.attention)], False)
         for p in _folded_rules(found.attention, names)
@@ -274,7 +344,7 @@ def _plan_at(model: nn.Module, tp: int) -> Plan:
         linear=tuple(linear),
         attention=tuple(attention),
         model_classes=(cls.__name__,),
-        description=f"inferred from {cls.__name__}'s modules at tp={tp}; {_agreement(model, styles)}",
+        description=f"inferred from {cls.__name__}'s modules at tp={tp}; {_agreement(model, styles)}; {choice}",
         tp_split_outputs=split,
         origin=f"the plan inferred for {cls.__name__}",
     )

@@ -22,7 +22,7 @@ from torch import nn
 
 from preshard.errors import PlanError
 from preshard.format.plan import Plan, matches
-from preshard.format.styles import Colwise, Style, TPRMSNorm
+from preshard.format.styles import Colwise, Style, TPRMSNorm, VocabParallel
 
 _NORM_TYPES = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)
 
@@ -116,8 +116,8 @@ def rule_styles(plan: Plan, modules: dict[str, nn.Module]) -> dict[str, Style]:
 
     Raises:
         PlanError: a rule that matches no module (unless optional), a Linear rule on something else, a
-            `tp_rms_norm` rule on a norm it does not support or whose features no column-split projection
-            beside it produces.
+            `vocab_parallel` rule on a module it does not support, a `tp_rms_norm` rule on a norm it does not
+            support or whose features no column-split projection beside it produces.
     """
     cls = type(next(iter(modules.values()))).__name__
     styles: dict[str, Style] = {}
@@ -134,6 +134,12 @@ def rule_styles(plan: Plan, modules: dict[str, nn.Module]) -> dict[str, Style]:
                 if why is not None:
                     raise PlanError(
                         f"{plan.origin}: rule {rule.match!r} gives {name} the tp_rms_norm style, but it {why}"
+                    )
+            elif rule.style.module_kind == "embedding":
+                why = VocabParallel.unsupported(module)
+                if why is not None:
+                    raise PlanError(
+                        f"{plan.origin}: rule {rule.match!r} gives {name} the {rule.style.name} style, but it {why}"
                     )
             elif not isinstance(module, nn.Linear):
                 raise PlanError(

@@ -28,7 +28,7 @@ from preshard.format.folder import CheckpointFolder
 from preshard.format.jsonio import parse_json_text
 from preshard.format.manifest import Manifest
 from preshard.format.plan import matches
-from preshard.format.styles import TPRMSNorm
+from preshard.format.styles import TPRMSNorm, VocabParallel
 from preshard.plans.model_class import is_transformers_config
 from preshard.units import plural
 
@@ -215,14 +215,15 @@ def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def localise(model: nn.Module, manifest: Manifest) -> dict[str, nn.Module]:
-    """Planned Linear layers and norms take their local shapes (still on meta) before anything is allocated.
+    """Planned Linear layers, embeddings and norms take their local shapes (still on meta) before anything is
+    allocated.
 
     Returns:
-        The sharded modules by name (Linear layers, and norms with a weight).
+        The sharded modules by name (Linear layers, embeddings split by vocabulary, and norms with a weight).
 
     Raises:
         PlanError: the plan splits a tensor of a module that is not an nn.Linear (or, for a norm style, a
-            supported RMSNorm).
+            supported RMSNorm; for `vocab_parallel`, a supported nn.Embedding).
     """
     tp = manifest.tp
     modules: dict[str, nn.Module] = {}
@@ -234,6 +235,10 @@ def localise(model: nn.Module, manifest: Manifest) -> dict[str, nn.Module]:
         module = model.get_submodule(module_name)
         if layout.style.module_kind == "norm":
             why = TPRMSNorm.unsupported(module)
+            if why is not None:
+                raise PlanError(f"the plan gives {module_name} the {layout.style.name} style, but it {why}")
+        elif layout.style.module_kind == "embedding":
+            why = VocabParallel.unsupported(module)
             if why is not None:
                 raise PlanError(f"the plan gives {module_name} the {layout.style.name} style, but it {why}")
         elif not isinstance(module, nn.Linear):
@@ -248,9 +253,16 @@ def localise(model: nn.Module, manifest: Manifest) -> dict[str, nn.Module]:
                 buffer = module._buffers[leaf]
                 module._buffers[leaf] = torch.empty(layout.local_shape(tp), dtype=buffer.dtype, device="meta")
     for module in modules.values():
-        if isinstance(module, nn.Linear):
-            module.out_features, module.in_features = module.weight.shape
+        localise_attributes(module)
     return modules
+
+
+def localise_attributes(module: nn.Module) -> None:
+    """A sharded Linear's or Embedding's size attributes follow its (local) weight."""
+    if isinstance(module, nn.Linear):
+        module.out_features, module.in_features = module.weight.shape
+    elif isinstance(module, nn.Embedding):
+        module.num_embeddings = module.weight.shape[0]
 
 
 def divide_heads(model: nn.Module, manifest: Manifest) -> dict[str, list[str]]:

@@ -17,7 +17,8 @@ from torch import nn
 
 from preshard.errors import MismatchError, PlanError
 from preshard.format.manifest import Manifest
-from preshard.format.styles import KVHeadSelect
+from preshard.format.plan import matches
+from preshard.format.styles import KVHeadSelect, Style
 
 
 def build_transformers_model(model: type, checkpoint: Path, config: dict[str, Any], on_meta: Any) -> nn.Module:
@@ -86,3 +87,32 @@ def retie(model: nn.Module, aliases: dict[str, str]) -> None:
     for alias, name in aliases.items():
         module_name, _, leaf = alias.rpartition(".")
         model.get_submodule(module_name)._parameters[leaf] = model.get_parameter(name)
+
+
+def tied_splits(manifest: Manifest, aliases: dict[str, str]) -> dict[str, Style]:
+    """Modules that hold a split tensor under a second name (a tied lm_head over an embedding split by vocabulary,
+    T5's `encoder.embed_tokens` beside `shared`): after `retie` their weight is this rank's rows, so each needs the
+    style the plan gives it, splitting the same dimension.
+
+    Returns:
+        The style of each such module, by module name.
+
+    Raises:
+        PlanError: an alias of a split tensor that the plan gives no style splitting it alike, naming both.
+    """
+    styles: dict[str, Style] = {}
+    for alias, stored in aliases.items():
+        record = manifest.tensors.get(stored)
+        if record is None or not record.layout.sharded:
+            continue
+        module = alias.rpartition(".")[0]
+        rules = [rule for rule in manifest.plan.linear if matches(rule.match, module)]
+        style = rules[0].style if rules else None
+        if style is None or style.shard_dim(alias.rpartition(".")[2]) != record.layout.shard_dim:
+            raise PlanError(
+                f"{alias} is the same parameter as {stored}, which the plan splits ({record.layout.style.name}), but "
+                f"the plan gives {module} no style splitting it alike; add a rule for {module} (colwise_gather for "
+                "an lm_head, vocab_parallel for an embedding) or keep both whole"
+            )
+        styles[module] = style
+    return styles

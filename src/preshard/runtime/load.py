@@ -28,18 +28,26 @@ from preshard.runtime.construct import (
     divide_heads,
     ignored_tensors,
     localise,
+    localise_attributes,
 )
 from preshard.runtime.devices import RankDevice
 from preshard.runtime.groups import MeshGroups, build_groups
 from preshard.runtime.held import HeldCheckpoint
-from preshard.runtime.hf_model import localise_kv_groups, retie, tied_parameters
+from preshard.runtime.hf_model import localise_kv_groups, retie, tied_parameters, tied_splits
 from preshard.runtime.left_out import guard_left_out
 from preshard.runtime.lora import attach_lora_loading
 from preshard.runtime.reader import ShardReader
 from preshard.runtime.rendezvous import DEFAULT_TIMEOUT_S, join_job
 from preshard.runtime.report import REPORT_ATTRIBUTE, LoadReport
 from preshard.runtime.surface import attach_model_surface
-from preshard.runtime.tp import parallelize_linear, parallelize_norms, split_outputs
+from preshard.runtime.tp import (
+    ParallelEmbedding,
+    ParallelLinear,
+    parallelize_linear,
+    parallelize_module,
+    parallelize_norms,
+    split_outputs,
+)
 from preshard.units import plural
 
 
@@ -216,6 +224,7 @@ def _load_held(
         check_against_manifest(net, manifest)
         check_config(net, config)
         aliases = tied_parameters(net)
+        tied = tied_splits(manifest, aliases)  # before reading: a plan that leaves one out is refused at once
         report = _new_report(rank_device, run_mesh, groups, checkpoint)
         sharded = localise(net, manifest)
         report.heads_divided = divide_heads(net, manifest)
@@ -260,6 +269,18 @@ def _load_held(
     for module_name, module in linears.items():
         style = manifest.tensors[f"{module_name}.weight"].layout.style
         description = parallelize_linear(module, style, groups.tp, tp_rank, manifest.tp, changes, module_name)
+        if description is not None:
+            report.add_hook(module_name, description)
+    embeddings = {  # split by vocabulary, and the modules tied to a split tensor (a tied lm_head)
+        **{n: manifest.tensors[f"{n}.weight"].layout.style for n, m in sharded.items() if isinstance(m, nn.Embedding)},
+        **tied,
+    }
+    for module_name, style in embeddings.items():
+        module = net.get_submodule(module_name)
+        if isinstance(module, (ParallelLinear, ParallelEmbedding)):  # one module under two names
+            continue
+        localise_attributes(module)
+        description = parallelize_module(module, style, groups.tp, tp_rank, manifest.tp, changes, module_name)
         if description is not None:
             report.add_hook(module_name, description)
     tp_hooks = {

@@ -8,7 +8,9 @@ subclass whose forward is the style's own `parallel_forward`: names, parameters 
 `isinstance(m, nn.Linear)` are unchanged. Styles whose local output is already this rank's slice of the
 features (colwise, packed colwise) need nothing. A norm across the heads of a column-split projection
 (`tp_rms_norm`) is switched the same way, to a subclass of its own class; everything its forward reads
-(group, rank, full width) is set on the module once, so torch.compile traces it with no graph break.
+(group, rank, full width) is set on the module once, so torch.compile traces it with no graph break. An
+embedding split by vocabulary (`vocab_parallel`) is switched likewise, and an lm_head over that vocabulary
+(`colwise_gather`) all-gathers its logits rather than all-reducing them.
 """
 
 from __future__ import annotations
@@ -37,10 +39,14 @@ class _StyleForward:
     tp_size: int
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.preshard_forward(self, x, self.tp_rank, self.tp_size, self._all_reduce)
+        combine = self._all_gather if self.preshard_style.collective == "all_gather" else self._all_reduce
+        return self.preshard_forward(self, x, self.tp_rank, self.tp_size, combine)
 
     def _all_reduce(self, out: torch.Tensor) -> torch.Tensor:
         return collectives.all_reduce_sum(out, self.tp_group) if self.tp_group is not None else out
+
+    def _all_gather(self, out: torch.Tensor) -> torch.Tensor:
+        return collectives.all_gather_cat(out, self.tp_group, -1) if self.tp_group is not None else out
 
 
 class ParallelLinear(_StyleForward, nn.Linear):
@@ -67,6 +73,8 @@ def parallelize_linear(
         return None
     what = "slice replicated input, " if style.name == "replicated_input_rowwise" else ""
     described = f"tp: {style.name}: {what}all-reduce(sum) over tp group, bias after reduce"
+    if style.collective == "all_gather":
+        described = f"tp: {style.name}: this rank's output features, all-gather(last dim) over tp group"
     _switch(changes or ModelChanges(module), module, where, ParallelLinear, described, {
         "preshard_style": style, "preshard_forward": forward, "tp_group": group, "tp_rank": tp_rank, "tp_size": tp,
     })  # fmt: skip
@@ -83,6 +91,65 @@ def _switch(changes: ModelChanges, module: nn.Module, where: str, cls: type, wha
 def unparallelize_linear(module: nn.Linear) -> None:
     """Back to a plain nn.Linear (for negative controls: the output must then be wrong)."""
     module.__class__ = nn.Linear
+
+
+class ParallelEmbedding(_StyleForward, nn.Embedding):
+    """nn.Embedding over this rank's vocabulary rows, its lookups all-reduced over the TP group (`vocab_parallel`).
+    A subclass of nn.Embedding (Gemma-3's scaled embedding) is switched to a class with this one after it in the
+    method order, so that its own forward calls this lookup through `super()`."""
+
+
+@functools.cache
+def _parallel_embedding_class(cls: type) -> type:
+    """`cls` itself switched to `ParallelEmbedding`; a subclass of nn.Embedding with `ParallelEmbedding` between it and
+    nn.Embedding (one class per embedding class)."""
+    if cls is nn.Embedding:
+        return ParallelEmbedding
+    return type(f"Parallel{cls.__name__}", (cls, ParallelEmbedding), {"__module__": __name__})
+
+
+def parallelize_embedding(
+    module: nn.Embedding,
+    style: Style,
+    group: ProcessGroup | None,
+    tp_rank: int,
+    tp: int,
+    changes: ModelChanges | None = None,
+    where: str = "",
+) -> str:
+    """Switch `module` (its weight already this rank's vocabulary rows) to `style`'s forward (`vocab_parallel`).
+
+    Returns:
+        The description for the model's report.
+    """
+    described = f"tp: {style.name}: vocabulary rows {tp_rank}/{tp}, lookups all-reduce(sum) over tp group"
+    _switch(changes or ModelChanges(module), module, where, _parallel_embedding_class(type(module)), described, {
+        "preshard_style": style, "preshard_forward": style.parallel_forward(), "tp_group": group, "tp_rank": tp_rank,
+        "tp_size": tp,
+    })  # fmt: skip
+    return described
+
+
+def unparallelize_embedding(module: nn.Embedding) -> None:
+    """Back to the embedding's own class (for negative controls: without the all-reduce the output must be wrong)."""
+    module.__class__ = next(
+        c for c in type(module).__mro__ if issubclass(c, nn.Embedding) and not issubclass(c, ParallelEmbedding)
+    )
+
+
+def parallelize_module(
+    module: nn.Module,
+    style: Style,
+    group: ProcessGroup | None,
+    tp_rank: int,
+    tp: int,
+    changes: ModelChanges | None = None,
+    where: str = "",
+) -> str | None:
+    """`parallelize_embedding` for an embedding style, else `parallelize_linear`."""
+    if style.module_kind == "embedding":
+        return parallelize_embedding(module, style, group, tp_rank, tp, changes, where)  # type: ignore[arg-type]
+    return parallelize_linear(module, style, group, tp_rank, tp, changes, where)  # type: ignore[arg-type]
 
 
 class ParallelNorm(_StyleForward, nn.Module):

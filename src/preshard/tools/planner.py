@@ -27,7 +27,7 @@ from preshard.format.layout import FileLayout, TensorLayout, place_records
 from preshard.format.mesh import MAX_WORLD_SIZE
 from preshard.format.plan import Plan, resolve_plan, valid_tp_degrees
 from preshard.plans.model_class import check_cp_plan, is_transformers_config
-from preshard.plans.registry import choose_plan
+from preshard.plans.registry import AUTO, choose_plan
 from preshard.sources import CheckpointSource, HeaderSource, open_source_headers
 from preshard.units import human_bytes
 
@@ -94,6 +94,7 @@ class PlanReport:
     recommended: MeshEstimate | None
     reason: str
     no_cp: str | None = None  # why no mesh has CP (no CP plan anywhere), else None
+    vocabulary: str | None = None  # whether the plan splits the vocabulary (embedding, lm_head) by rows, and why
 
 
 def rank_bytes(layouts: dict[str, TensorLayout], order: list[str], tp: int) -> RankBytes:
@@ -185,6 +186,9 @@ def plan_meshes(
     src = open_source_headers(source, subfolder=subfolder, revision=revision, token=token)
     chosen = choose_plan(plan, src.config)
     shapes, order, config = src.shapes(), src.read_order(), src.config or {}
+    # An inferred transformers plan depends on the degree (KV heads, a vocabulary the degree does not divide stays
+    # whole): each degree is sized under the plan inferred at it.
+    inferred = is_transformers_config(config) and (plan is None or plan == AUTO)
     if is_transformers_config(config):  # under the names the model's modules have, as the converter reads them
         from preshard.plans.hf_transformers import checkpoint_renames, workable_degrees
 
@@ -192,19 +196,9 @@ def plan_meshes(
         shapes = {renames.get(n, n): v for n, v in shapes.items()}
         order = [renames.get(n, n) for n in order]
     whole = resolve_plan(chosen, shapes, 1, cast=cast, config=config, check_divisible=False)
-    degrees = valid_tp_degrees(chosen, whole, config)
-    at_degree: dict[int, Plan] = {}  # a transformers model's inferred plan at each degree, as converted at it
-    if is_transformers_config(config) and plan is None:
-        from preshard.plans.hf_transformers import plans_by_degree
-
-        for tp, inferred in plans_by_degree(config).items():
-            try:
-                resolve_plan(inferred, shapes, tp, cast=cast, config=config)
-            except PlanError:
-                continue
-            at_degree[tp] = inferred
-        degrees = sorted(at_degree)
-    elif is_transformers_config(config):  # the heads decide, at each degree (KV heads split or computed whole)
+    base = _without_vocabulary(chosen) if inferred else chosen
+    degrees = valid_tp_degrees(base, resolve_plan(base, shapes, 1, config=config, check_divisible=False), config)
+    if is_transformers_config(config):  # the heads decide, at each degree (KV heads split or computed whole)
         degrees = workable_degrees(config, degrees)
     memory = int(device_memory_gib * GIB) if device_memory_gib is not None else None
     heads = config.get("num_attention_heads")
@@ -219,7 +213,8 @@ def plan_meshes(
 
     meshes: list[MeshEstimate] = []
     for tp in [d for d in degrees if devices is None or d <= devices]:
-        per_rank = rank_bytes(resolve_plan(at_degree.get(tp, chosen), shapes, tp, cast=cast, config=config), order, tp)
+        at = choose_plan(plan, src.config, tp) if inferred and tp > 1 else chosen
+        per_rank = rank_bytes(resolve_plan(at, shapes, tp, cast=cast, config=config), order, tp)
         if devices is not None and devices % tp == 0 and (no_cp is None or tp == devices):
             splits = [(ring, devices // tp // ring) for ring in _divisors(devices // tp)]
         else:
@@ -259,7 +254,28 @@ def plan_meshes(
         recommended=recommended,
         reason=reason,
         no_cp=no_cp,
+        vocabulary=_vocabulary(chosen),
     )
+
+
+_VOCABULARY_STYLES = ("vocab_parallel", "colwise_gather")
+
+
+def _without_vocabulary(plan: Plan) -> Plan:
+    """`plan` with the vocabulary kept whole: what limits the degrees of an inferred plan, which keeps a vocabulary
+    whole at a degree that does not divide it."""
+    return replace(plan, linear=tuple(r for r in plan.linear if r.style.name not in _VOCABULARY_STYLES))
+
+
+def _vocabulary(plan: Plan) -> str | None:
+    """Whether the plan splits the vocabulary, in words: its rules say; an inferred plan's description says why."""
+    said = next((part for part in plan.description.split("; ") if part.startswith("vocabulary ")), None)
+    split = [rule.match for rule in plan.linear if rule.style.name in _VOCABULARY_STYLES]
+    if split:
+        return (
+            said if said and said.startswith("vocabulary split") else f"vocabulary split by rows ({', '.join(split)})"
+        )
+    return said if said and said.startswith("vocabulary whole") else None
 
 
 def _recommend(meshes: list[MeshEstimate], memory: int | None, heads: int | None) -> tuple[MeshEstimate | None, str]:
@@ -323,6 +339,7 @@ def plan_json(report: PlanReport) -> dict[str, Any]:
         "recommended": None if report.recommended is None else report.recommended.to_dict(),
         "reason": report.reason,
         "no_cp": report.no_cp,
+        "vocabulary": report.vocabulary,
     }
 
 
@@ -386,6 +403,8 @@ def plan_table(report: PlanReport) -> str:
     lines.append("")
     if report.no_cp:
         lines.append(f"no CP splits: {report.no_cp}; every rank must be a TP rank.")
+    if report.vocabulary:
+        lines.append(f"{report.vocabulary}.")
     best = report.recommended
     if best is not None:
         lines.append(
