@@ -74,3 +74,42 @@ def test_manifests_of_other_versions_are_corrupt_checkpoint_errors(converted, ve
     data["version"] = version
     with pytest.raises(CorruptCheckpointError, match=fragment):
         Manifest.from_dict(data)
+
+
+def _a_float32_tensor(data: dict) -> str:
+    return next(name for name, t in data["tensors"].items() if t["dtype"] == t["source_dtype"] == "float32")
+
+
+def test_a_manifest_whose_dtype_disagrees_with_the_source_header_is_refused(converted, private_copy):
+    from manifests import edit_manifest
+
+    from preshard.format.manifest import read_manifest
+
+    folder = private_copy(converted("float32", 1))
+    read_manifest(folder)  # negative control: the conversion's own manifest is read
+
+    def to_int32(data: dict) -> None:
+        tensor = data["tensors"][_a_float32_tensor(data)]
+        tensor["dtype"] = tensor["source_dtype"] = "int32"  # the same size: the data files still tile
+
+    edit_manifest(folder, to_int32)  # the digest re-sealed
+    with pytest.raises(CorruptCheckpointError) as info:
+        read_manifest(folder)
+    message = str(info.value)
+    assert "\n" not in message and "int32" in message and "float32" in message and "source header" in message
+
+
+def test_a_null_config_record_beside_a_config_json_is_refused(converted, private_copy):
+    from manifests import edit_manifest
+
+    from preshard.format.manifest import read_manifest
+
+    folder = private_copy(converted("float32", 1))
+    assert (folder / "config.json").is_file()
+    edit_manifest(folder, lambda data: data.update(config=None))
+    with pytest.raises(CorruptCheckpointError) as info:
+        read_manifest(folder)
+    message = str(info.value)
+    assert "\n" not in message and "records no config.json" in message and "remove config.json" in message
+    (folder / "config.json").unlink()  # as a conversion from a source without a config writes it: read
+    assert read_manifest(folder).config is None

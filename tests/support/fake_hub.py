@@ -29,6 +29,11 @@ ever sent, so the library never leaves this server or switches transport.
 Every request is recorded (`FakeHub.log()`): method, decoded path, query, Range and Authorization headers, status and
 body bytes sent, so tests can assert exactly what was fetched.
 
+`FakeHub.fail(kind, ...)` makes the next matching requests stumble as a real Hub or proxy does: `status` (answer
+e.g. 503, or 429 with `Retry-After`), `close` (send the headers and half the body, then drop the connection),
+`short` (a complete answer whose body and Content-Length are half the file's), `slow` (wait before answering) and
+`commit` (an `X-Repo-Commit` that is no commit hash). Each fault hits `times` requests (None: every one).
+
 `make_hf_cache` builds the standard cache layout by hand (`hub/models--org--name/{blobs,snapshots,refs}`), for
 offline tests that must not depend on a download having happened first.
 """
@@ -40,7 +45,9 @@ import json
 import os
 import re
 import shutil
+import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -78,6 +85,27 @@ class Request:
     authorization: str | None
     status: int = 0
     sent: int = 0  # body bytes sent (HEAD: 0)
+    fault: str | None = None  # the kind of fault injected into the answer, if any
+
+
+FAULT_KINDS = ("status", "close", "short", "slow", "commit")
+
+
+@dataclass
+class Fault:
+    """A stumble injected into the answers to matching requests (see `FakeHub.fail`)."""
+
+    kind: str
+    method: str | None  # "GET", "HEAD" or None (any)
+    path_suffix: str  # matched against the end of the decoded request path ("" matches every request)
+    times: int | None  # requests still to hit (None: every one)
+    status: int = 503
+    headers: dict[str, str] = field(default_factory=dict)
+    delay: float = 0.0
+    commit: str = "not-a-commit"
+
+    def matches(self, method: str, path: str) -> bool:
+        return (self.method is None or self.method == method) and path.endswith(self.path_suffix)
 
 
 @dataclass
@@ -110,8 +138,9 @@ class FakeHub:
         self.repos: dict[str, FakeRepo] = {}
         self.page_size = page_size
         self._log: list[Request] = []
+        self._faults: list[Fault] = []
         self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
+        self._server = _QuietServer(("127.0.0.1", 0), _handler_for(self))
         self._server.daemon_threads = True
         self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread: threading.Thread | None = None
@@ -164,7 +193,56 @@ class FakeHub:
     def set_ref(self, repo_id: str, name: str, commit: str) -> None:
         self.repos[repo_id].refs[name] = commit
 
+    # faults
+
+    def fail(
+        self,
+        kind: str,
+        *,
+        path: str = "",
+        method: str | None = None,
+        times: int | None = 1,
+        status: int = 503,
+        retry_after: float | None = None,
+        delay: float = 0.0,
+        commit: str = "not-a-commit",
+    ) -> Fault:
+        """Make the next `times` requests whose path ends with `path` (and of `method`) stumble as `kind` says.
+
+        kind: "status" (answer `status`, with `Retry-After: retry_after` when given), "close" (headers and half
+        the body, then the connection dropped), "short" (half the body, with a Content-Length that says so),
+        "slow" (wait `delay` seconds, then answer) or "commit" (the answer's X-Repo-Commit is `commit`).
+        """
+        if kind not in FAULT_KINDS:
+            raise ValueError(f"unknown fault {kind!r}; one of {FAULT_KINDS}")
+        headers = {} if retry_after is None else {"Retry-After": f"{retry_after:g}"}
+        fault = Fault(kind, method, path, times, status, headers, delay, commit)
+        with self._lock:
+            self._faults.append(fault)
+        return fault
+
+    def clear_faults(self) -> None:
+        with self._lock:
+            self._faults.clear()
+
+    def _take_fault(self, method: str, path: str) -> Fault | None:
+        with self._lock:
+            for fault in self._faults:
+                if fault.matches(method, path) and (fault.times is None or fault.times > 0):
+                    if fault.times is not None:
+                        fault.times -= 1
+                    return fault
+        return None
+
     # the request log
+
+    def faulted(self, path_suffix: str = "", kind: str | None = None) -> list[Request]:
+        """Requests whose answer a fault changed (of `kind`), for paths ending with `path_suffix`."""
+        return [
+            r
+            for r in self.log()
+            if r.fault is not None and r.path.endswith(path_suffix) and (kind is None or r.fault == kind)
+        ]
 
     def log(self) -> list[Request]:
         with self._lock:
@@ -200,6 +278,11 @@ class FakeHub:
             self._log.append(request)
 
 
+class _QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request: object, client_address: object) -> None:
+        pass  # a client that dropped a connection (after an injected fault) is no error of the fake's
+
+
 def _handler_for(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive, as huggingface_hub's pooled client expects
@@ -223,10 +306,26 @@ def _handler_for(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 self.headers.get("Range"),
                 self.headers.get("Authorization"),
             )
+            fault = hub._take_fault(method, record.path)
+            record.fault = fault.kind if fault is not None else None
+            if fault is not None and fault.kind == "slow":
+                time.sleep(fault.delay)
             try:
-                status, headers, body = _route(hub, method, parts, record, split.path)
+                if fault is not None and fault.kind == "status":
+                    status, headers, body = _error(fault.status, None, f"injected HTTP {fault.status}", fault.headers)
+                else:
+                    status, headers, body = _route(hub, method, parts, record, split.path)
             except Exception as exc:  # a bug in the fake: answer 500 so the test sees it
                 status, headers, body = 500, {}, repr(exc).encode()
+            cut = fault is not None and fault.kind in ("close", "short") and method == "GET" and len(body) > 1
+            if cut:
+                if fault is not None and fault.kind == "short":
+                    headers["Content-Length"] = str(len(body) // 2)
+                else:
+                    headers["Content-Length"] = str(len(body))
+                body = body[: len(body) // 2]
+            if fault is not None and fault.kind == "commit" and "X-Repo-Commit" in headers:
+                headers["X-Repo-Commit"] = fault.commit
             record.status = status
             record.sent = 0 if method == "HEAD" else len(body)
             hub._record(record)  # before answering: a client that got the answer finds the request in the log
@@ -238,7 +337,11 @@ def _handler_for(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 self.end_headers()
                 if method != "HEAD" and body:
                     self.wfile.write(body)
-            except (BrokenPipeError, ConnectionResetError):
+                if cut and fault is not None and fault.kind == "close":
+                    self.wfile.flush()
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)  # the rest of the body never comes
+            except (BrokenPipeError, ConnectionResetError, OSError):
                 pass
 
     return Handler

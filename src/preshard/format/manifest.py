@@ -18,6 +18,7 @@ sizes, each record's framing, config.json's hash) and with `verify=True` per chu
 from __future__ import annotations
 
 import datetime
+import json
 import math
 import os
 import re
@@ -35,7 +36,15 @@ from preshard.errors import (
     PlanError,
     UsageError,
 )
-from preshard.format.dtypes import CAST_TARGETS, FLOAT32, DType, cast_dtype, dtype_from_name, dtype_name
+from preshard.format.dtypes import (
+    CAST_TARGETS,
+    FLOAT32,
+    SAFETENSORS_DTYPES,
+    DType,
+    cast_dtype,
+    dtype_from_name,
+    dtype_name,
+)
 from preshard.format.folder import CheckpointFolder
 from preshard.format.jsonio import canonical_json, parse_json_text
 from preshard.format.layout import INT64_MAX, ChunkRecord, TensorLayout, data_file_name, fits_int64
@@ -357,7 +366,15 @@ def read_manifest(checkpoint: str | Path) -> Manifest:
         raw = folder.read_bytes(MANIFEST_NAME)
     except FileNotFoundError:
         raise missing_manifest(folder.path) from None
-    return manifest_from_bytes(raw, folder.where(MANIFEST_NAME))
+    manifest = manifest_from_bytes(raw, folder.where(MANIFEST_NAME))
+    if manifest.config is None and os.path.lexists(folder.path / CONFIG_NAME):
+        # A conversion writes config.json exactly when it records it: a config the manifest does not vouch for
+        # (its record nulled, the digest re-sealed) would be used to build the model unchecked.
+        raise CorruptCheckpointError(
+            f"{folder.where(MANIFEST_NAME)} records no {CONFIG_NAME}, but the folder holds one: the manifest was "
+            f"edited or the file added after conversion; remove {CONFIG_NAME} or convert the checkpoint again"
+        )
+    return manifest
 
 
 def missing_manifest(folder: Path) -> CheckpointFileMissingError:
@@ -529,8 +546,10 @@ class _Parser:
         tensors = self.tensors(data["tensors"], mesh.tp, cast, {f.name for f in files}, quantize)
         self.check_plan(plan, tensors, mesh.tp, cast)
         self.check_tiling(tensors, files)
+        source = self.source(data["source"])
+        self.check_source_dtypes(source, tensors)
         manifest = Manifest(
-            source=self.source(data["source"]),
+            source=source,
             mesh=mesh,
             plan=plan,
             tensors=tensors,
@@ -658,6 +677,30 @@ class _Parser:
                     f"tensor {name} is recorded as {record.layout.style.name}, but the plan gives it "
                     f"{resolved[name].style.name}"
                 )
+
+    def check_source_dtypes(self, source: Source, tensors: dict[str, TensorRecord]) -> None:
+        """Each tensor's source dtype is the one the recorded source header gives a tensor of its name and shape.
+
+        Why: an int32 where the source held float32 (same size, the digest re-sealed) tiles the data files as well,
+        and would be read as integers; the manifest carries the source's own header to tell.
+        """
+        for f in source.files:
+            try:
+                header = json.loads(f.header)
+            except ValueError:
+                continue  # (a header is kept as text for unshard; its own checks are the source's)
+            if not isinstance(header, dict):
+                continue
+            for name, entry in header.items():
+                record = tensors.get(name)
+                if record is None or not isinstance(entry, dict) or entry.get("shape") != list(record.layout.shape):
+                    continue  # not this tensor (renamed, left out, or another tensor of that name)
+                recorded = SAFETENSORS_DTYPES.get(entry.get("dtype"))
+                if recorded is not None and recorded != record.layout.source_dtype:
+                    raise self.bad(
+                        f"tensor {name} is recorded as {dtype_name(record.layout.source_dtype)} in the source, but "
+                        f"the source header of {f.name} gives it {dtype_name(recorded)}"
+                    )
 
     def check_tiling(self, tensors: dict[str, TensorRecord], files: tuple[FileRecord, ...]) -> None:
         """Each data file is exactly its records, back to back: no gap, no overlap, no trailing bytes."""

@@ -27,12 +27,13 @@ import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import BinaryIO
 
 from preshard.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
-    SourceError,
     SourceNotFoundError,
     SourceUnreachableError,
     UsageError,
@@ -229,6 +230,7 @@ def _fetch_records(
     from huggingface_hub.errors import HfHubHTTPError
 
     from preshard.sources.hub import TransportError, hub_error, not_cached_message, offline_mode
+    from preshard.sources.hub_retry import BodyCutShort, max_retries, retried
 
     if not ranged:
         return
@@ -250,13 +252,7 @@ def _fetch_records(
             ):
                 out.truncate(size)  # sparse: only this rank's records take space
                 for start, end, members in _spans(chunks):
-                    remote.seek(start)
-                    data = remote.read(end - start)
-                    if len(data) != end - start:
-                        raise SourceError(
-                            f"{name} of Hub repo {repo_id} ended early ({start + len(data)} of {size} bytes); "
-                            "the upload is incomplete: upload the checkpoint folder again"
-                        )
+                    data = retried(f"{name} of Hub repo {repo_id}", partial(_read_span, remote, start, end))
                     _check_records(name, start, data, members)
                     os.pwrite(out.fileno(), data, start)
                 out.flush()
@@ -265,8 +261,25 @@ def _fetch_records(
             raise SourceNotFoundError(
                 f"{name} is not in Hub repo {repo_id} at commit {commit}; upload the whole checkpoint folder"
             ) from None
+        except BodyCutShort as exc:
+            raise SourceUnreachableError(
+                f"the ranged read of {name} of Hub repo {repo_id} ended early ({exc.got} of {exc.wanted} bytes, "
+                f"retried {max_retries()} times); nothing was kept: run the command again, and if it persists the "
+                "upload is incomplete: upload the checkpoint folder again"
+            ) from None
         except (HfHubHTTPError, TransportError) as exc:
             raise hub_error(exc, repo_id, commit, offline=False, path=name) from exc
+
+
+def _read_span(remote: BinaryIO, start: int, end: int) -> bytes:
+    """Bytes start..end of a remote file (one ranged request); an answer cut short is `BodyCutShort` (retried)."""
+    from preshard.sources.hub_retry import BodyCutShort
+
+    remote.seek(start)
+    data = remote.read(end - start)
+    if len(data) != end - start:
+        raise BodyCutShort(end - start, len(data))
+    return data
 
 
 def _check_records(name: str, start: int, data: bytes, chunks: list[ChunkRecord]) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ from huggingface_hub.errors import (
 from huggingface_hub.utils import validate_repo_id
 
 from preshard.errors import (
+    PreshardError,
     SourceAccessError,
     SourceError,
     SourceNotFoundError,
@@ -56,6 +58,16 @@ from preshard.errors import (
 )
 from preshard.format.jsonio import read_json
 from preshard.sources.hub_integrity import check_downloaded
+from preshard.sources.hub_retry import (
+    CUT_SHORT,
+    RETRIES_VAR,
+    describe,
+    max_retries,
+    request_url,
+    retried,
+    transient,
+    url_path,
+)
 
 try:  # the HTTP client huggingface_hub 2.x is built on: its connection and timeout errors
     from httpx2 import TransportError
@@ -206,18 +218,30 @@ def _resolve(repo_id: str, revision: str | None, token: str | bool | None, paths
     if not isinstance(repo_id, str) or not repo_id:
         raise SourceError(f"{repo_id!r} is not a Hub repo id; use 'org/name'")
     offline = offline_mode()
+    where = _where_of(repo_id, revision)
+    before = _snapshot_names(repo_id)
     try:
         with _no_match_is_fine():
-            folder = snapshot_download(
-                repo_id,
-                revision=revision,
-                token=token,
-                local_files_only=offline,
-                allow_patterns=[_literal(p) for p in paths],
+            folder = retried(
+                where,
+                lambda: snapshot_download(
+                    repo_id,
+                    revision=revision,
+                    token=token,
+                    local_files_only=offline,
+                    allow_patterns=[_literal(p) for p in paths],
+                ),
             )
     except RESOLVE_FAILURES as exc:
         raise hub_error(exc, repo_id, revision, offline=offline, path=paths[0] if len(paths) == 1 else None) from exc
+    except PreshardError:
+        raise
+    except (OSError, ValueError) as exc:  # a body cut short, or a commit id that is no folder name
+        raise _download_error(exc, repo_id, revision, paths, before) from None
     snapshot = Path(folder)
+    if not COMMIT_SHA.fullmatch(snapshot.name):
+        _remove_new_snapshots(repo_id, before)
+        raise SourceError(_bad_commit_message(where, snapshot.name))
     try:  # the listing snapshot_download fetched (and cached) for this commit: no request
         names = frozenset(f.path for f in get_cached_repo_tree(repo_id, revision=snapshot.name))
         complete = True
@@ -308,12 +332,27 @@ def _fetch(res: _Resolved, paths: list[str], token: str | bool | None) -> Path:
     if not missing:
         return res.snapshot
     _require(res, missing)
+    what = f"{missing[0]} of {_where(res)}" if len(missing) == 1 else f"{len(missing)} files of {_where(res)}"
+    before = _snapshot_names(res.repo_id)
     try:
-        snapshot_download(res.repo_id, revision=res.commit, allow_patterns=[_literal(p) for p in missing], token=token)
+        retried(
+            what,
+            lambda: snapshot_download(
+                res.repo_id, revision=res.commit, allow_patterns=[_literal(p) for p in missing], token=token
+            ),
+        )
     except (HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled, TransportError) as exc:
-        raise hub_error(exc, res.repo_id, res.revision, offline=res.offline, path=missing[0]) from exc
+        path = _failed_path(exc, missing)
+        raise hub_error(exc, res.repo_id, res.revision, offline=res.offline, path=path) from exc
+    except PreshardError:
+        raise
+    except (OSError, ValueError) as exc:  # a body cut short, or a commit id that is no folder name
+        raise _download_error(exc, res.repo_id, res.revision, missing, before) from None
+    stray = _remove_new_snapshots(res.repo_id, before)
     for path in missing:
         if not (res.snapshot / path).is_file():
+            if stray:
+                raise SourceError(_bad_commit_message(f"{path} of {_where(res)}", stray[0]))
             raise SourceError(f"downloading {path} of {_where(res)} did not complete; retry")
     check_downloaded(res.snapshot, missing, _where(res))  # the bytes the Hub described, before anything reads them
     return res.snapshot
@@ -336,7 +375,10 @@ def _header(res: _Resolved, path: str, token: str | bool | None) -> dict[str, An
         if cached.is_file():
             meta = parse_local_safetensors_file_metadata(cached)
         else:
-            meta = HfApi().parse_safetensors_file_metadata(res.repo_id, path, revision=res.commit, token=token)
+            meta = retried(
+                f"{path} of {_where(res)}",
+                lambda: HfApi().parse_safetensors_file_metadata(res.repo_id, path, revision=res.commit, token=token),
+            )
     except SafetensorsParsingError as exc:
         raise SourceError(f"{path} of {_where(res)} is not a valid safetensors file: {_first_line(exc)}") from exc
     except (HfHubHTTPError, OfflineModeIsEnabled, TransportError) as exc:
@@ -393,6 +435,12 @@ def hub_error(
             f"a token is required for {where} but none is set: pass --token, set HF_TOKEN or run `hf auth login`"
         )
     what = f"{path} of {where}" if path else where
+    stumble = transient(exc)
+    if stumble is not None and not offline:
+        return SourceUnreachableError(
+            f"the Hub at {endpoint} kept failing for {what} ({describe(stumble)}, retried {max_retries()} times as "
+            f"huggingface_hub's backoff does): retry later, raise {RETRIES_VAR}, or check HF_ENDPOINT and any proxy"
+        )
     if isinstance(exc, (LocalEntryNotFoundError, OfflineModeIsEnabled, TransportError)):
         offline = offline or isinstance(exc, OfflineModeIsEnabled) or offline_mode()
         return SourceUnreachableError(not_cached_message(what, offline, exc))
@@ -420,6 +468,77 @@ def not_cached_message(what: str, offline: bool, error: BaseException | None = N
         f"could not reach the Hub at {constants.ENDPOINT}{reason} and {what} is not in the local Hugging Face cache "
         f"({cache}): check the network connection, proxy and HF_ENDPOINT, then retry"
     )
+
+
+def _failed_path(exc: BaseException, paths: list[str]) -> str | None:
+    """Which of `paths` the failed request asked for (from its URL), else the only one, else None."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        asked = url_path(request_url(cause))
+        for path in paths:
+            if asked is not None and asked.endswith(path):
+                return path
+        cause = cause.__cause__ or cause.__context__
+    return paths[0] if len(paths) == 1 else None
+
+
+def _download_error(
+    exc: OSError | ValueError, repo_id: str, revision: str | None, paths: list[str], before: set[str]
+) -> SourceError:
+    """One line for a download that ended early (retried already) or that the Hub named no commit for."""
+    where = _where_of(repo_id, revision)
+    short = CUT_SHORT.search(str(exc))
+    if short:
+        shown = re.search(r"\(\(…\)([^)]*)\)\.?$|\(([^()]*)\)\.?$", str(exc).split("\n", 1)[0])
+        tail = next((g for g in (shown.groups() if shown else ()) if g), "")
+        named = [p for p in paths if tail and p.endswith(tail)] or paths
+        return SourceUnreachableError(
+            f"the download of {named[0]} of {where} ended early ({short.group(2)} of {short.group(1)} bytes, "
+            f"retried {max_retries()} times): run the command again to resume it, and check the network, any proxy "
+            "and HF_ENDPOINT"
+        )
+    stray = _remove_new_snapshots(repo_id, before)
+    if isinstance(exc, ValueError) and ("pointer path" in str(exc) or stray):
+        return SourceError(_bad_commit_message(where, stray[0] if stray else "outside the cache"))
+    return SourceError(f"downloading from {where} failed: {type(exc).__name__}: {_first_line(exc)}; retry")
+
+
+def _bad_commit_message(what: str, commit: str) -> str:
+    return (
+        f"the Hub at {constants.ENDPOINT} named commit {commit!r} for {what}, which is not a commit hash (40 hex "
+        "digits); nothing was kept: check HF_ENDPOINT and any proxy in between, then retry"
+    )
+
+
+def _repo_cache(repo_id: str) -> Path:
+    return Path(constants.HF_HUB_CACHE) / ("models--" + repo_id.replace("/", "--"))
+
+
+def _snapshot_names(repo_id: str) -> set[str]:
+    try:
+        return {p.name for p in (_repo_cache(repo_id) / "snapshots").iterdir()}
+    except OSError:
+        return set()
+
+
+def _remove_new_snapshots(repo_id: str, before: set[str]) -> list[str]:
+    """Remove snapshot folders a download made since `before` whose names are no commit hash; returns the names.
+
+    A Hub (or proxy) answering an `X-Repo-Commit` that is no commit makes huggingface_hub link the file under a
+    folder of that name: never a snapshot anything reads, so it is not left behind, nor the blobs it links to.
+    """
+    snapshots = _repo_cache(repo_id) / "snapshots"
+    stray = sorted(_snapshot_names(repo_id) - before - {n for n in _snapshot_names(repo_id) if COMMIT_SHA.fullmatch(n)})
+    for name in stray:
+        folder = snapshots / name
+        for link in [p for p in folder.rglob("*") if p.is_symlink()]:
+            blob = link.resolve()
+            if blob.parent.name == "blobs" and blob.parent.parent == _repo_cache(repo_id).resolve():
+                blob.unlink(missing_ok=True)
+        shutil.rmtree(folder, ignore_errors=True)
+    return stray
 
 
 # Small helpers
