@@ -17,6 +17,9 @@ One style applies to a norm rather than a Linear: `tp_rms_norm`, an RMSNorm over
 column-split projection (Wan's and LTX-2's `qk_norm="rms_norm_across_heads"`). Its weight is split like those
 features; each rank sums the squares of its features in float32, all-reduces the sum over the TP group and
 divides by the full width, so every rank normalises by the RMS of the whole row, exactly as the unsharded norm.
+`tp_layer_norm` is the same for a LayerNorm (LuminaNext's `layer_norm_across_heads`): the row's sum is all-reduced
+for its mean, then the sum of squared deviations from it for its variance (two small all-reduces rather than one
+of sum and sum of squares, whose difference would cancel), and the weight and bias are split like the features.
 """
 
 from __future__ import annotations
@@ -129,27 +132,23 @@ class ReplicatedInputRowwise(Rowwise):
 
 
 @dataclass(frozen=True)
-class TPRMSNorm(Style):
-    """An RMSNorm over the features of a column-split projection: weight (and bias) split like those features.
-
-    The rank's sum of squares is all-reduced in float32 over the TP group and divided by the full width, then
-    the rank's weight slice applies. Exact at any TP degree that divides the heads; a norm without a weight
-    (`elementwise_affine=False`) has nothing to split but still needs the all-reduce.
+class TPNorm(Style):
+    """A norm over the features of a column-split projection: weight (and bias) split like those features, the
+    row's statistics all-reduced over the TP group (the subclasses say which). Exact at any TP degree that divides
+    the heads; a norm without a weight (`elementwise_affine=False`) has nothing to split but still needs them.
     """
 
-    name: ClassVar[str] = "tp_rms_norm"
     weight_dim: ClassVar[int | None] = 0
     bias_dim: ClassVar[int | None] = 0
     module_kind: ClassVar[str] = "norm"
-
-    def parallel_forward(self) -> Callable[..., Any]:
-        from preshard.format.style_forwards import tp_rms_norm_forward
-
-        return tp_rms_norm_forward
+    # (module, class name) of the norm classes the style's forward computes exactly as: a subclass may compute
+    # something else in its forward, so exactly these.
+    classes: ClassVar[tuple[tuple[str, str], ...]] = ()
+    knows: ClassVar[str] = ""
 
     @staticmethod
     def width(module: Any) -> int | None:
-        """The features a supported RMSNorm normalises over (one trailing dim), else None."""
+        """The features a norm normalises over (one trailing dim: `normalized_shape` or `dim`), else None."""
         shape = getattr(module, "normalized_shape", None)
         if shape is None:
             shape = getattr(module, "dim", None)
@@ -159,17 +158,68 @@ class TPRMSNorm(Style):
             return int(shape[0])  # (torch.Size is a tuple)
         return None
 
-    @staticmethod
-    def unsupported(module: Any) -> str | None:
-        """Why `module` cannot take this style (None: it can): torch's and diffusers' RMSNorm over one dim."""
-        cls = type(module)  # exactly these two: a subclass may compute something else in its forward
-        diffusers_rms = cls.__name__ == "RMSNorm" and cls.__module__ == "diffusers.models.normalization"
-        torch_rms = cls.__name__ == "RMSNorm" and cls.__module__ == "torch.nn.modules.normalization"
-        if not (torch_rms or diffusers_rms):
-            return f"is a {cls.__name__}, and tp_rms_norm knows torch.nn.RMSNorm and diffusers' RMSNorm only"
-        if TPRMSNorm.width(module) is None:
-            return "normalises over more than one trailing dim, and tp_rms_norm splits one"
+    @classmethod
+    def unsupported(cls, module: Any) -> str | None:
+        """Why `module` cannot take this style (None: it can)."""
+        kind = type(module)
+        if (kind.__module__, kind.__name__) not in cls.classes:
+            return f"is a {kind.__name__}, and {cls.name} knows {cls.knows} only"
+        if cls.width(module) is None:
+            return f"normalises over more than one trailing dim, and {cls.name} splits one"
         return None
+
+
+@dataclass(frozen=True)
+class TPRMSNorm(TPNorm):
+    """An RMSNorm over the features of a column-split projection: the rank's sum of squares is all-reduced in
+    float32 over the TP group and divided by the full width, then the rank's weight slice applies."""
+
+    name: ClassVar[str] = "tp_rms_norm"
+    classes: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("torch.nn.modules.normalization", "RMSNorm"),
+        ("diffusers.models.normalization", "RMSNorm"),
+    )
+    knows: ClassVar[str] = "torch.nn.RMSNorm and diffusers' RMSNorm"
+
+    def parallel_forward(self) -> Callable[..., Any]:
+        from preshard.format.style_forwards import tp_rms_norm_forward
+
+        return tp_rms_norm_forward
+
+
+@dataclass(frozen=True)
+class TPLayerNorm(TPNorm):
+    """A LayerNorm over the features of a column-split projection (LuminaNext's `layer_norm_across_heads`): two
+    all-reduces, the row's sum (for its mean), then its sum of squared deviations from that mean (its variance,
+    without the cancellation of E[x^2] - E[x]^2), then the rank's weight and bias slices apply."""
+
+    name: ClassVar[str] = "tp_layer_norm"
+    classes: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("torch.nn.modules.normalization", "LayerNorm"),
+        ("diffusers.models.normalization", "FP32LayerNorm"),
+    )
+    knows: ClassVar[str] = "torch.nn.LayerNorm and diffusers' FP32LayerNorm"
+
+    def parallel_forward(self) -> Callable[..., Any]:
+        from preshard.format.style_forwards import tp_layer_norm_forward
+
+        return tp_layer_norm_forward
+
+
+TP_NORMS: tuple[type[TPNorm], ...] = (TPRMSNorm, TPLayerNorm)
+
+
+def tp_norm_style(module: Any) -> TPNorm | str:
+    """The TP norm style that computes `module` exactly when its features are split, else why none does."""
+    for cls in TP_NORMS:
+        if cls.unsupported(module) is None:
+            return cls()
+    for cls in TP_NORMS:  # a known class over several dims: say so
+        kind = type(module)
+        if (kind.__module__, kind.__name__) in cls.classes:
+            return str(cls.unsupported(module))
+    known = ", ".join(cls.knows for cls in TP_NORMS)
+    return f"is a {type(module).__name__}, and the TP norm styles know {known} only"
 
 
 @dataclass(frozen=True)
@@ -190,7 +240,10 @@ class KVHeadSelect(Style):
 
 STYLES: dict[str, type[Style]] = {
     cls.name: cls
-    for cls in (Style, Colwise, Rowwise, PackedColwise, PackedRowwise, ReplicatedInputRowwise, TPRMSNorm, KVHeadSelect)
+    for cls in (
+        Style, Colwise, Rowwise, PackedColwise, PackedRowwise, ReplicatedInputRowwise, TPRMSNorm, TPLayerNorm,
+        KVHeadSelect,
+    )
 }
 REPLICATE = Style()
 
