@@ -238,13 +238,8 @@ class KVHeadSelect(Style):
         return kv_head_select_forward
 
 
-STYLES: dict[str, type[Style]] = {
-    cls.name: cls
-    for cls in (
-        Style, Colwise, Rowwise, PackedColwise, PackedRowwise, ReplicatedInputRowwise, TPRMSNorm, TPLayerNorm,
-        KVHeadSelect,
-    )
-}
+_ALL_STYLES = (Style, Colwise, Rowwise, PackedColwise, PackedRowwise, ReplicatedInputRowwise, *TP_NORMS, KVHeadSelect)
+STYLES: dict[str, type[Style]] = {cls.name: cls for cls in _ALL_STYLES}
 REPLICATE = Style()
 
 
