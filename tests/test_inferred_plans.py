@@ -30,9 +30,7 @@ from preshard.format.manifest import read_manifest
 TOL = 1e-5
 # Classes that convert but do not load as they should, each with why (strict: fixing one fails the test until it
 # is taken off the list).
-KNOWN_FAILURES = {
-    "HeliosTransformer3DModel": "its _cp_plan names blocks beyond the tiny config's (tp2 alone matches)",
-}
+KNOWN_FAILURES: dict[str, str] = {}
 ASSEMBLED = assembled_model.AssembledTransformer2DModel.__name__
 RESULTS_ENV = "PRESHARD_ZOO_RESULTS"  # where to write the run's results for scripts/models_table.py
 

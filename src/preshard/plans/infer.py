@@ -346,7 +346,8 @@ def _rotary_across_heads(
     modules: dict[str, nn.Module], styles: dict[str, Style], attention: list[str], inside: tuple[str, ...]
 ) -> dict[str, dict[int, SeqDim]]:
     """Rotary modules outside attention whose (cos, sin) tables span every head at once (`dim` as wide as a
-    column-split query, LTX-Video's): each rank slices its part of the last dim, as the queries it rotates."""
+    column-split query, LTX-Video's): each rank slices its part of the last dim, as the queries it rotates; or of
+    the heads dim, for tables already per head (LTX-2's `rope_type="split"`, [B, heads, S, D/2])."""
     head_dims = {_head_dim(modules[name]) for name in attention}
     widths = set()
     for name, style in styles.items():
@@ -357,9 +358,11 @@ def _rotary_across_heads(
     for name, module in modules.items():
         if not name or name.startswith(inside) or not re.search(r"rotary|rope", type(module).__name__, re.I):
             continue
-        dim = _int_attr(module, "dim")
-        if dim in widths and dim not in head_dims:
-            found[name] = {0: SeqDim(-1), 1: SeqDim(-1)}
+        dim, heads = _int_attr(module, "dim"), _int_attr(module, "num_attention_heads")
+        # its own head count says whether `dim` spans heads (LTX-2's tiny audio width equals a video head_dim)
+        if dim in widths and (dim not in head_dims if heads is None else heads > 1):
+            split = getattr(module, "rope_type", None) == "split"  # LTX-2's per-head tables [B, H, S, D/2]
+            found[name] = {i: SeqDim(1, 4) if split else SeqDim(-1) for i in (0, 1)}
     return found
 
 
