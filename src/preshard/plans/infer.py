@@ -84,6 +84,7 @@ def infer_plan(model: nn.Module, config: dict[str, Any] | None = None) -> Plan:
     outputless: dict[str, int] = {}  # attention modules with no output projection -> their output width
     for name in attention:
         width = _attention(origin, name, modules[name], styles, divides)
+        _differential(origin, name, modules[name], styles)
         if width is not None:
             outputless[name] = width
     widths: dict[str, tuple[str, ...]] = {}  # blocks -> their attributes holding a split MLP width
@@ -202,6 +203,30 @@ def _attention(
         raise PlanError(f"{origin}: attention {name} has no integer head count (heads) to divide by the TP degree")
     divides[name] = attrs
     return width if outputs == 0 else None
+
+
+def _differential(origin: str, name: str, module: nn.Module, styles: dict[str, Style]) -> None:
+    """Differential attention (StableAudio-3's `use_differential`: `Attn(q1, k1, v) - Attn(q2, k2, v)`) fuses
+    `[q1 | q2 | k1 | k2 | v]`, `[q1 | q2]` and `[k1 | k2 | v]`, each part as wide as the heads: each of its
+    column-split projections is packed in parts of that width (what `chunk` cuts on every rank), whatever its
+    name says."""
+    if not getattr(module, "use_differential", False):
+        return
+    heads, head_dim = _int_attr(module, "heads"), _head_dim(module)
+    if heads is None or head_dim is None:
+        raise PlanError(f"{origin}: differential attention {name} has no heads and head_dim to cut its parts by")
+    width = heads * head_dim
+    for child, sub in module.named_modules():
+        full = f"{name}.{child}"
+        if not isinstance(sub, nn.Linear) or not isinstance(styles.get(full), Colwise):
+            continue
+        if sub.out_features % width:
+            raise PlanError(
+                f"{origin}: {full} ({sub.out_features} features) of differential attention {name} is not made of "
+                f"parts as wide as its {heads} heads ({width}); write a plan file for this model (--plan FILE)"
+            )
+        parts = sub.out_features // width
+        styles[full] = PackedColwise(blocks=(width,) * parts) if parts > 1 else Colwise()
 
 
 def _attention_norm(
