@@ -238,7 +238,16 @@ class KVHeadSelect(Style):
         return kv_head_select_forward
 
 
-_ALL_STYLES = (Style, Colwise, Rowwise, PackedColwise, PackedRowwise, ReplicatedInputRowwise, *TP_NORMS, KVHeadSelect)
+_ALL_STYLES: tuple[type[Style], ...] = (
+    Style,
+    Colwise,
+    Rowwise,
+    PackedColwise,
+    PackedRowwise,
+    ReplicatedInputRowwise,
+    *TP_NORMS,
+    KVHeadSelect,
+)
 STYLES: dict[str, type[Style]] = {cls.name: cls for cls in _ALL_STYLES}
 REPLICATE = Style()
 
