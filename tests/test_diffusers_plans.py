@@ -148,13 +148,21 @@ def test_a_norm_across_all_heads_is_refused_naming_the_module_and_the_style_to_u
     ):
         plan_from_model(_AcrossHeadsModel())
 
-    class LayerNormModel(_AcrossHeadsModel):  # a norm no TP style splits: refused, saying so
+    class LayerNormModel(_AcrossHeadsModel):  # a LayerNorm: the style named is tp_layer_norm
         def __init__(self) -> None:
             super().__init__()
             self.blocks[0].norm_q = nn.LayerNorm(32)
 
-    with pytest.raises(PlanError, match=r"blocks\.0\.norm_q .* it is a LayerNorm, and tp_rms_norm knows .* cannot be"):
+    with pytest.raises(PlanError, match=r'shard it with the tp_layer_norm style: add \{"match": "blocks\.\*\.norm_q"'):
         plan_from_model(LayerNormModel())
+
+    class GroupNormModel(_AcrossHeadsModel):  # a norm no TP style splits: refused, saying so
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks[0].norm_q = nn.GroupNorm(4, 32)
+
+    with pytest.raises(PlanError, match=r"norm_q .* it is a GroupNorm, and the TP norm styles know .* cannot"):
+        plan_from_model(GroupNormModel())
 
 
 def test_a_plan_rule_on_something_else_than_a_linear_is_refused():

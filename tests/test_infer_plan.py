@@ -5,6 +5,7 @@ writing the chosen plan as a plan file that `--plan FILE` reads back as the same
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import assembled_model
 import pytest
@@ -61,9 +62,21 @@ def test_a_linear_inside_attention_that_it_cannot_place_is_refused_naming_it():
 def test_a_norm_across_heads_it_cannot_split_is_refused_naming_it():
     model = _meta_assembled()
     with torch.device("meta"):
-        model.blocks[0].attn.norm_q = nn.LayerNorm(32)  # across every head of to_q, not an RMSNorm
-    with pytest.raises(PlanError, match=r"blocks\.0\.attn\.norm_q normalises across all 32 features .* LayerNorm"):
+        model.blocks[0].attn.norm_q = nn.GroupNorm(4, 32)  # across every head of to_q, no TP norm style for it
+    with pytest.raises(PlanError, match=r"blocks\.0\.attn\.norm_q normalises across all 32 features .* GroupNorm"):
         infer_plan(model)
+
+
+@pytest.mark.quick
+def test_a_layer_norm_across_heads_takes_tp_layer_norm_and_one_on_the_attention_input_stays_whole():
+    model = _meta_assembled()
+    with torch.device("meta"):
+        for block in model.blocks:
+            block.attn.norm_q = nn.LayerNorm(32)  # across every head of to_q (LuminaNext's layer_norm_across_heads)
+            block.attn.pre_norm_k = nn.LayerNorm(32)  # as wide as to_k's input: on it (WanAnimate's face adapter)
+    styles = _styles(infer_plan(model))
+    assert styles["blocks.*.attn.norm_q"] == "tp_layer_norm"
+    assert not any("pre_norm_k" in match for match in styles)
 
 
 def test_plan_order_builtin_then_tp_plan_then_inferred_and_auto_forces_inference():
@@ -75,6 +88,41 @@ def test_plan_order_builtin_then_tp_plan_then_inferred_and_auto_forces_inference
     assert _styles(choose_plan("auto", wan))["blocks.*.attn1.norm_q"] == "tp_rms_norm"  # as the built-in plan says
     assert choose_plan(None, {"_class_name": "FluxTransformer2DModel"}).name == "FluxTransformer2DModel._tp_plan"
     assert choose_plan(None, {"_class_name": "AllegroTransformer3DModel"}).name.startswith("inferred-")
+
+
+def test_a_builtin_plan_made_for_another_config_value_falls_through_to_the_inferred_plan_saying_why():
+    from tiny_zoo import config
+
+    interleaved = {**config("LTX2VideoTransformer3DModel"), "rope_type": "interleaved"}
+    assert choose_plan(None, {**interleaved, "rope_type": "split"}).name == "ltx2"
+    plan = choose_plan(None, interleaved)
+    assert plan.name == "inferred-LTX2VideoTransformer3DModel"
+    assert plan.origin.endswith("(the built-in plan for the class does not fit its config)")
+    assert plan.description.endswith(
+        "(passed over: built-in plan ltx2 is made for config rope_type = 'split', but the checkpoint's config.json "
+        "has 'interleaved')"
+    )
+    assert plan.cp_plan  # the class's _cp_plan
+    assert set(plan.tp_split_outputs) == {"rope", "audio_rope", "cross_attn_rope", "cross_attn_audio_rope"}
+    assert {spec.dim for outputs in plan.tp_split_outputs.values() for spec in outputs.values()} == {-1}
+
+
+def test_a_class_cp_plan_naming_blocks_the_config_lacks_is_kept_for_the_config_that_has_them():
+    from tiny_zoo import config
+
+    from preshard.format.plan import CPEntry, SeqDim
+    from preshard.plans.from_model import check_plan_against_model
+
+    helios = config("HeliosTransformer3DModel")  # 2 blocks; the class's _cp_plan names blocks.0 to blocks.39
+    plan = choose_plan(None, helios)
+    assert plan.cp_config_requires == {"num_layers": 40}
+    check_plan_against_model(plan, helios, 2)  # TP alone converts
+    with pytest.raises(PlanError, match=r"context parallelism works for config num_layers = 40, not 2 .*\(--cp 1\)"):
+        check_plan_against_model(plan, helios, 2, cp=2)
+    assert choose_plan(None, {**helios, "num_layers": 40}).cp_config_requires == {}
+    typo = replace(plan, cp_config_requires={}, cp_plan={**plan.cp_plan, "blocks.0.atn1": CPEntry({}, {}, SeqDim(1))})
+    with pytest.raises(PlanError, match=r"cp plan entry 'blocks\.0\.atn1' matches no module of Helios.*\(--cp 1\)"):
+        check_plan_against_model(typo, {**helios, "num_layers": 40}, 2, cp=2)
 
 
 def test_show_plan_writes_the_chosen_plan_as_a_plan_file_that_reads_back_the_same(tmp_path):

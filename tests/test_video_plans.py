@@ -381,15 +381,22 @@ def test_a_plan_that_leaves_a_norm_across_heads_or_a_head_projection_whole_is_re
     assert not (tmp_path / "out").exists()
 
 
-def test_an_ltx2_variant_the_plan_is_not_made_for_is_refused(tmp_path):
+def test_an_ltx2_variant_the_plan_is_not_made_for_is_refused_with_it_and_passed_over_without(tmp_path):
     from diffusers import LTX2VideoTransformer3DModel
+
+    from preshard.format.manifest import read_manifest
 
     model = build("ltx2")[0]
     interleaved = LTX2VideoTransformer3DModel.from_config({**model.config, "rope_type": "interleaved"})
     source = save(interleaved, tmp_path / "ltx2-interleaved")
     with pytest.raises(PlanError, match=r"built-in plan ltx2 is made for config rope_type = 'split', but the "
-                       r"checkpoint's config.json has 'interleaved'"):  # fmt: skip
-        convert_checkpoint(source, tmp_path / "out", tp=2, progress=False)
+                       r"checkpoint's config.json has 'interleaved'; write a plan file"):  # fmt: skip
+        convert_checkpoint(source, tmp_path / "out", tp=2, plan="ltx2", progress=False)
+    assert not (tmp_path / "out").exists()
+    convert_checkpoint(source, tmp_path / "out", tp=2, progress=False)  # no --plan: the next source, saying why
+    plan = read_manifest(tmp_path / "out").plan
+    assert plan.name == "inferred-LTX2VideoTransformer3DModel"
+    assert "(passed over: built-in plan ltx2 is made for config rope_type = 'split'" in plan.description
 
 
 def test_a_class_without_any_plan_converts_with_the_plan_inferred_from_its_modules(tmp_path):

@@ -49,7 +49,8 @@ def hand_slices(w: torch.Tensor, style: str, param: str, blocks, tp: int, r: int
             start += size
         return out
     rest = (0,) * (w.dim() - 1)
-    if style in ("colwise", "tp_rms_norm"):  # W[r*out/T : (r+1)*out/T], same slice of the bias (a norm's weight)
+    # W[r*out/T : (r+1)*out/T], same slice of the bias (a norm's weight)
+    if style in ("colwise", "tp_rms_norm", "tp_layer_norm"):
         n = w.shape[0] // tp
         return [((r * n, *rest), w[r * n : (r + 1) * n])]
     assert style == "packed_colwise"

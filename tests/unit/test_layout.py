@@ -23,6 +23,7 @@ from preshard.format.styles import STYLES, make_style
 
 STYLE_NAMES = [
     "colwise", "rowwise", "packed_colwise", "packed_rowwise", "replicated_input_rowwise", "replicate", "tp_rms_norm",
+    "tp_layer_norm",
 ]  # fmt: skip
 
 
@@ -39,7 +40,8 @@ def cases(draw):
     if blocks is not None:
         split = tp * n * draw(st.integers(1, 2)) if isinstance(blocks, int) else sum(blocks)
     other = draw(st.integers(1, 5))
-    if param == "weight" and style != "tp_rms_norm":  # a norm's weight is [features], like a bias
+    # a norm's weight is [features], like a bias
+    if param == "weight" and style not in ("tp_rms_norm", "tp_layer_norm"):
         shape = (split, other) if style in ("colwise", "packed_colwise", "replicate") else (other, split)
     else:
         shape = (split,)
@@ -154,6 +156,7 @@ def test_every_style_is_registered_once_with_its_dims():
         "packed_rowwise": (1, None),
         "replicated_input_rowwise": (1, None),
         "tp_rms_norm": (0, 0),
+        "tp_layer_norm": (0, 0),
         "kv_head_select": (None, None),
     }
 

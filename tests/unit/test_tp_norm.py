@@ -14,7 +14,7 @@ from torch import nn
 
 from preshard.errors import PlanError
 from preshard.format.plan import Plan, resolve_plan
-from preshard.format.styles import TPRMSNorm, make_style
+from preshard.format.styles import TPRMSNorm, make_style, tp_norm_style
 from preshard.runtime.tp import ParallelNorm, parallelize_norms
 
 WIDTH = 24
@@ -207,3 +207,101 @@ def test_tp_split_outputs_keep_this_ranks_slice_and_refuse_an_output_of_other_di
         model.rope(torch.zeros(2, 8, 3))
     with pytest.raises(PlanError, match=r"tp_split_outputs entry 'nope' matches no module"):
         split_outputs(Model(), Plan.from_dict({**PLAN, "tp_split_outputs": {"nope": {"0": {"dim": 1}}}}), 0, 2)
+
+
+def _threaded_ranks(forward, norms: list[nn.Module], pieces: list[torch.Tensor], reduce: bool) -> list[torch.Tensor]:
+    """Each simulated rank's forward in a thread of its own; `all_reduce` sums what every rank hands it (as many
+    times as the forward asks), or hands back the rank's own value (`reduce=False`: the negative control)."""
+    import threading
+
+    tp = len(norms)
+    barrier = threading.Barrier(tp)
+    slots: list[torch.Tensor | None] = [None] * tp
+    calls = [0] * tp
+    outs: list[torch.Tensor | None] = [None] * tp
+
+    def run(r: int) -> None:
+        def all_reduce(t: torch.Tensor) -> torch.Tensor:
+            calls[r] += 1
+            if not reduce:
+                return t
+            slots[r] = t.clone()
+            barrier.wait()
+            total = torch.stack([s for s in slots if s is not None]).sum(0)
+            barrier.wait()
+            return total
+
+        outs[r] = forward(norms[r], pieces[r], r, tp, all_reduce)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(tp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert calls == [2] * tp  # the row's sum, then its sum of squared deviations
+    return [o for o in outs if o is not None]
+
+
+def _layer_norm(kind: str, dtype: torch.dtype) -> nn.Module:
+    g = torch.Generator().manual_seed(5)
+    if kind == "fp32":
+        from diffusers.models.normalization import FP32LayerNorm
+
+        norm: nn.Module = FP32LayerNorm(WIDTH, eps=1e-6, elementwise_affine=False, bias=False)
+    else:
+        norm = nn.LayerNorm(WIDTH, eps=1e-5, elementwise_affine=kind != "plain", bias=kind == "affine")
+    with torch.no_grad():
+        if norm.weight is not None:
+            norm.weight.copy_(1 + 0.3 * torch.randn(WIDTH, generator=g))
+        if norm.bias is not None:
+            norm.bias.copy_(0.2 * torch.randn(WIDTH, generator=g))
+    return norm.to(dtype)
+
+
+@pytest.mark.parametrize("kind", ["affine", "weight-only", "plain", "fp32"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_tp_layer_norm_gives_each_rank_its_slice_of_the_unsharded_layer_norm(kind, dtype, tp):
+    norm = _layer_norm(kind, dtype)
+    # rows far from zero mean: one pass of sum and sum of squares would lose the variance to cancellation
+    x = (40 + 3 * torch.randn(2, 5, WIDTH, generator=torch.Generator().manual_seed(tp))).to(dtype)
+    width = WIDTH // tp
+    locals_ = []
+    for r in range(tp):
+        local = copy.deepcopy(norm)
+        for param in ("weight", "bias"):
+            if getattr(local, param) is not None:
+                setattr(local, param, nn.Parameter(getattr(norm, param).detach()[r * width : (r + 1) * width].clone()))
+        local.preshard_full_width = WIDTH
+        locals_.append(local)
+    pieces = [x[..., r * width : (r + 1) * width] for r in range(tp)]
+    forward = make_style("tp_layer_norm").parallel_forward()
+    with torch.no_grad():
+        want = norm(x)
+        got = torch.cat(_threaded_ranks(forward, locals_, pieces, reduce=True), dim=-1)
+    assert got.dtype == want.dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: one rounding of a value of a few units
+    assert (got.float() - want.float()).abs().max().item() <= tol
+    if tp > 1:  # without the all-reduces each rank normalises by its own mean and variance: wrong
+        with torch.no_grad():
+            alone = torch.cat(_threaded_ranks(forward, locals_, pieces, reduce=False), dim=-1)
+        assert (alone.float() - want.float()).abs().max().item() > 0.05
+
+
+def test_tp_norm_style_picks_the_style_for_the_norm_class_and_says_why_none_fits():
+    from diffusers.models.normalization import FP32LayerNorm
+
+    assert tp_norm_style(nn.RMSNorm(WIDTH)) == make_style("tp_rms_norm")
+    assert tp_norm_style(_diffusers_rms_norm()(WIDTH, eps=1e-6)) == make_style("tp_rms_norm")
+    assert tp_norm_style(nn.LayerNorm(WIDTH)) == make_style("tp_layer_norm")
+    assert tp_norm_style(FP32LayerNorm(WIDTH)) == make_style("tp_layer_norm")
+
+    class MyLayerNorm(nn.LayerNorm):  # a subclass may compute something else: refused
+        pass
+
+    assert "is a MyLayerNorm, and the TP norm styles know" in str(tp_norm_style(MyLayerNorm(WIDTH)))
+    assert "more than one trailing dim" in str(tp_norm_style(nn.LayerNorm((4, WIDTH))))
+    assert "is a GroupNorm" in str(tp_norm_style(nn.GroupNorm(2, WIDTH)))
+    assert make_style("tp_layer_norm").unsupported(nn.RMSNorm(WIDTH)) == (
+        "is a RMSNorm, and tp_layer_norm knows torch.nn.LayerNorm and diffusers' FP32LayerNorm only"
+    )

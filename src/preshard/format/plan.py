@@ -246,15 +246,19 @@ class Plan:
         Raises:
             PlanError: a value differs, naming the key, both values and the fix.
         """
-        if not config:
-            return
-        for key, want in self.config_requires.items():
-            have = config.get(key)
+        why = self.config_mismatch(config)
+        if why is not None:
+            raise PlanError(f"{why}; write a plan file for this variant and pass --plan FILE")
+
+    def config_mismatch(self, config: Mapping[str, Any] | None) -> str | None:
+        """Why the checkpoint's config does not have the values `config_requires` names, else None (also without a
+        config: nothing to compare)."""
+        for key, want in self.config_requires.items() if config else ():
+            have = config.get(key) if config else None
             if have != want:
-                raise PlanError(
-                    f"{self.origin} is made for config {key} = {want!r}, but the checkpoint's config.json has "
-                    f"{have!r}; write a plan file for this variant and pass --plan FILE"
-                )
+                has = f"the checkpoint's config.json has {have!r}"
+                return f"{self.origin} is made for config {key} = {want!r}, but {has}"
+        return None
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -106,3 +106,22 @@ def tp_rms_norm_forward(norm, x: torch.Tensor, tp_rank: int, tp: int, all_reduce
     out = out * weight
     bias = getattr(norm, "bias", None)
     return out if bias is None else out + bias
+
+
+def tp_layer_norm_forward(norm, x: torch.Tensor, tp_rank: int, tp: int, all_reduce) -> torch.Tensor:
+    """LayerNorm of rows split over the TP group: this rank holds `x`'s local features and the matching weight and
+    bias slices. The mean from the all-reduced sum, then the variance from the all-reduced sum of squared deviations
+    (two passes, as exact as the unsharded norm's; one pass of sum and sum of squares would cancel for rows far
+    from zero mean). Computed in float32 for 16-bit inputs and cast back, as torch's LayerNorm kernels and
+    diffusers' FP32LayerNorm do.
+    """
+    up = x.to(_computation_dtype(x.dtype))
+    width = norm.preshard_full_width
+    centred = up - all_reduce(up.sum(-1, keepdim=True)) / width
+    variance = all_reduce(centred.pow(2).sum(-1, keepdim=True)) / width
+    out = centred * torch.rsqrt(variance + norm.eps)
+    if norm.weight is not None:
+        out = out * norm.weight.to(out.dtype)
+    if norm.bias is not None:
+        out = out + norm.bias.to(out.dtype)
+    return out.to(x.dtype)

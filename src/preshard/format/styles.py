@@ -24,6 +24,9 @@ all-reduces the sum, in which exactly one rank adds each row, so the sum is the 
 `colwise_gather` on a Linear (an lm_head, tied to that embedding or not) computes its rows' outputs and
 all-gathers them along the last dim, so every rank returns the full logits. Like every split here, T must divide
 V (the plan is refused otherwise, naming the degrees that do; inference keeps such a vocabulary whole).
+`tp_layer_norm` is the same for a LayerNorm (LuminaNext's `layer_norm_across_heads`): the row's sum is all-reduced
+for its mean, then the sum of squared deviations from it for its variance (two small all-reduces rather than one
+of sum and sum of squares, whose difference would cancel), and the weight and bias are split like the features.
 """
 
 from __future__ import annotations
@@ -142,27 +145,23 @@ class ReplicatedInputRowwise(Rowwise):
 
 
 @dataclass(frozen=True)
-class TPRMSNorm(Style):
-    """An RMSNorm over the features of a column-split projection: weight (and bias) split like those features.
-
-    The rank's sum of squares is all-reduced in float32 over the TP group and divided by the full width, then
-    the rank's weight slice applies. Exact at any TP degree that divides the heads; a norm without a weight
-    (`elementwise_affine=False`) has nothing to split but still needs the all-reduce.
+class TPNorm(Style):
+    """A norm over the features of a column-split projection: weight (and bias) split like those features, the
+    row's statistics all-reduced over the TP group (the subclasses say which). Exact at any TP degree that divides
+    the heads; a norm without a weight (`elementwise_affine=False`) has nothing to split but still needs them.
     """
 
-    name: ClassVar[str] = "tp_rms_norm"
     weight_dim: ClassVar[int | None] = 0
     bias_dim: ClassVar[int | None] = 0
     module_kind: ClassVar[str] = "norm"
-
-    def parallel_forward(self) -> Callable[..., Any]:
-        from preshard.format.style_forwards import tp_rms_norm_forward
-
-        return tp_rms_norm_forward
+    # (module, class name) of the norm classes the style's forward computes exactly as: a subclass may compute
+    # something else in its forward, so exactly these.
+    classes: ClassVar[tuple[tuple[str, str], ...]] = ()
+    knows: ClassVar[str] = ""
 
     @staticmethod
     def width(module: Any) -> int | None:
-        """The features a supported RMSNorm normalises over (one trailing dim), else None."""
+        """The features a norm normalises over (one trailing dim: `normalized_shape` or `dim`), else None."""
         shape = getattr(module, "normalized_shape", None)
         if shape is None:
             shape = getattr(module, "dim", None)
@@ -172,17 +171,68 @@ class TPRMSNorm(Style):
             return int(shape[0])  # (torch.Size is a tuple)
         return None
 
-    @staticmethod
-    def unsupported(module: Any) -> str | None:
-        """Why `module` cannot take this style (None: it can): torch's and diffusers' RMSNorm over one dim."""
-        cls = type(module)  # exactly these two: a subclass may compute something else in its forward
-        diffusers_rms = cls.__name__ == "RMSNorm" and cls.__module__ == "diffusers.models.normalization"
-        torch_rms = cls.__name__ == "RMSNorm" and cls.__module__ == "torch.nn.modules.normalization"
-        if not (torch_rms or diffusers_rms):
-            return f"is a {cls.__name__}, and tp_rms_norm knows torch.nn.RMSNorm and diffusers' RMSNorm only"
-        if TPRMSNorm.width(module) is None:
-            return "normalises over more than one trailing dim, and tp_rms_norm splits one"
+    @classmethod
+    def unsupported(cls, module: Any) -> str | None:
+        """Why `module` cannot take this style (None: it can)."""
+        kind = type(module)
+        if (kind.__module__, kind.__name__) not in cls.classes:
+            return f"is a {kind.__name__}, and {cls.name} knows {cls.knows} only"
+        if cls.width(module) is None:
+            return f"normalises over more than one trailing dim, and {cls.name} splits one"
         return None
+
+
+@dataclass(frozen=True)
+class TPRMSNorm(TPNorm):
+    """An RMSNorm over the features of a column-split projection: the rank's sum of squares is all-reduced in
+    float32 over the TP group and divided by the full width, then the rank's weight slice applies."""
+
+    name: ClassVar[str] = "tp_rms_norm"
+    classes: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("torch.nn.modules.normalization", "RMSNorm"),
+        ("diffusers.models.normalization", "RMSNorm"),
+    )
+    knows: ClassVar[str] = "torch.nn.RMSNorm and diffusers' RMSNorm"
+
+    def parallel_forward(self) -> Callable[..., Any]:
+        from preshard.format.style_forwards import tp_rms_norm_forward
+
+        return tp_rms_norm_forward
+
+
+@dataclass(frozen=True)
+class TPLayerNorm(TPNorm):
+    """A LayerNorm over the features of a column-split projection (LuminaNext's `layer_norm_across_heads`): two
+    all-reduces, the row's sum (for its mean), then its sum of squared deviations from that mean (its variance,
+    without the cancellation of E[x^2] - E[x]^2), then the rank's weight and bias slices apply."""
+
+    name: ClassVar[str] = "tp_layer_norm"
+    classes: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("torch.nn.modules.normalization", "LayerNorm"),
+        ("diffusers.models.normalization", "FP32LayerNorm"),
+    )
+    knows: ClassVar[str] = "torch.nn.LayerNorm and diffusers' FP32LayerNorm"
+
+    def parallel_forward(self) -> Callable[..., Any]:
+        from preshard.format.style_forwards import tp_layer_norm_forward
+
+        return tp_layer_norm_forward
+
+
+TP_NORMS: tuple[type[TPNorm], ...] = (TPRMSNorm, TPLayerNorm)
+
+
+def tp_norm_style(module: Any) -> TPNorm | str:
+    """The TP norm style that computes `module` exactly when its features are split, else why none does."""
+    for cls in TP_NORMS:
+        if cls.unsupported(module) is None:
+            return cls()
+    for cls in TP_NORMS:  # a known class over several dims: say so
+        kind = type(module)
+        if (kind.__module__, kind.__name__) in cls.classes:
+            return str(cls.unsupported(module))
+    known = ", ".join(cls.knows for cls in TP_NORMS)
+    return f"is a {type(module).__name__}, and the TP norm styles know {known} only"
 
 
 @dataclass(frozen=True)
@@ -201,64 +251,19 @@ class KVHeadSelect(Style):
         return kv_head_select_forward
 
 
-@dataclass(frozen=True)
-class ColwiseGather(Colwise):
-    """Output features split as colwise, then all-gathered along the last dim: every rank returns the whole output.
-    For an lm_head over a vocabulary split by rows: each rank computes its V/T logits, the gather gives all V."""
-
-    name: ClassVar[str] = "colwise_gather"
-    collective: ClassVar[str] = "all_gather"
-
-    def parallel_forward(self) -> Callable[..., Any]:
-        from preshard.format.style_forwards import colwise_gather_forward
-
-        return colwise_gather_forward
-
-
-@dataclass(frozen=True)
-class VocabParallel(Style):
-    """An nn.Embedding split by vocabulary rows: rank r holds rows `[r*V/T, (r+1)*V/T)`, looks up the ids in them
-    (a zero vector for the others) and all-reduces the sum over the TP group, which is the unsharded lookup exactly
-    (each row comes from one rank, every other adds zeros). An id outside the vocabulary gives a zero vector where
-    the unsharded embedding raises an index error."""
-
-    name: ClassVar[str] = "vocab_parallel"
-    weight_dim: ClassVar[int | None] = 0
-    module_kind: ClassVar[str] = "embedding"
-
-    def parallel_forward(self) -> Callable[..., Any]:
-        from preshard.format.style_forwards import vocab_parallel_forward
-
-        return vocab_parallel_forward
-
-    @staticmethod
-    def unsupported(module: Any) -> str | None:
-        """Why `module` cannot take this style (None: it can): an nn.Embedding without `max_norm` (which renormalises
-        the rows it looks up, in place), of torch's class or of a subclass whose own forward, if it has one, calls
-        `super()` and so computes on nn.Embedding's lookup (Gemma-3's scaled embedding multiplies it by a constant)."""
-        import torch
-
-        if not isinstance(module, torch.nn.Embedding):
-            return f"is a {type(module).__name__}, not an nn.Embedding"
-        if module.max_norm is not None:
-            return "renormalises the rows it looks up (max_norm), which a split vocabulary cannot do alike"
-        forward = type(module).forward
-        code = getattr(forward, "__code__", None)
-        if forward is not torch.nn.Embedding.forward and (code is None or "super" not in code.co_names):
-            return (
-                f"is a {type(module).__name__} whose forward does not call nn.Embedding's, and vocab_parallel splits "
-                "that lookup only"
-            )
-        return None
-
-
-STYLES: dict[str, type[Style]] = {
-    cls.name: cls
-    for cls in (
-        Style, Colwise, Rowwise, PackedColwise, PackedRowwise, ReplicatedInputRowwise, TPRMSNorm, KVHeadSelect,
-        ColwiseGather, VocabParallel,
-    )
-}  # fmt: skip
+_ALL_STYLES: tuple[type[Style], ...] = (
+    Style,
+    Colwise,
+    Rowwise,
+    PackedColwise,
+    PackedRowwise,
+    ReplicatedInputRowwise,
+    *TP_NORMS,
+    KVHeadSelect,
+    ColwiseGather,
+    VocabParallel,
+)
+STYLES: dict[str, type[Style]] = {cls.name: cls for cls in _ALL_STYLES}
 REPLICATE = Style()
 
 

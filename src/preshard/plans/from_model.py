@@ -53,26 +53,110 @@ def build_on_meta(cls: type, config: dict[str, Any]) -> nn.Module:
         raise PlanError(f"cannot build {cls.__name__} from the checkpoint's config.json: {exc}") from None
 
 
-def plan_from_model_class(class_name: str, config: dict[str, Any], *, infer: bool = False) -> Plan:
+def plan_from_model_class(
+    class_name: str, config: dict[str, Any], *, infer: bool = False, passed_over: str | None = None
+) -> Plan:
     """The plan `diffusers.<class_name>` declares (`_tp_plan`), resolved on a meta-device instance built from
     `config`; where it declares none, or `infer` asks for it, the plan inferred from its modules
-    (`plans/infer.py`)."""
+    (`plans/infer.py`), with the class's `_cp_plan` if it has one.
+
+    Args:
+        passed_over: why the built-in plan for the class was not used (its config differs), for the plan's
+            description and origin.
+    """
     cls = import_model_class(class_name)
     model = build_on_meta(cls, config)
     if infer or not getattr(cls, "_tp_plan", None):
         from preshard.plans.infer import infer_plan
 
-        inferred = infer_plan(model, config)
+        plan = infer_plan(model, config)
         cp = getattr(cls, "_cp_plan", None)
-        if not cp:
-            return inferred
-        return replace(
-            inferred,
-            description=f"{inferred.description}, with the class's _cp_plan",
-            cp_plan=cp_plan_from_diffusers(cp),
-            cp_join_order=DIFFUSERS_CP_JOIN_ORDER.get(class_name),
+        if cp:
+            plan = replace(
+                plan,
+                description=f"{plan.description}, with the class's _cp_plan",
+                cp_plan=cp_plan_from_diffusers(cp),
+                cp_join_order=DIFFUSERS_CP_JOIN_ORDER.get(class_name),
+            )
+    else:
+        plan = plan_from_model(model, config)
+    if plan.cp_plan and getattr(cls, "_cp_plan", None):
+        plan = _cp_for_config(plan, cls, model, config)
+    if passed_over is None:
+        return plan
+    return replace(
+        plan,
+        description=f"{plan.description} (passed over: {passed_over})",
+        origin=f"{plan.origin} (the built-in plan for the class does not fit its config)",
+    )
+
+
+def unmatched_cp_entries(cp_plan: dict[str, CPEntry], model: nn.Module) -> list[str]:
+    """The entries of `cp_plan` that match no module of `model`."""
+    names = [name for name, _ in model.named_modules()]
+    return [pattern for pattern in cp_plan if not any(matches(pattern, name) for name in names)]
+
+
+def _cp_for_config(plan: Plan, cls: type, model: nn.Module, config: dict[str, Any]) -> Plan:
+    """The class's `_cp_plan` as it fits this config. Helios's names each of its default 40 blocks
+    (`blocks.39.attn1`); at a config with fewer, those entries match nothing, and which blocks' outputs CP gathers
+    is then not what the class says. CP is kept for the config value that gives the blocks named (found by
+    building the class with it on the meta device: `cp_config_requires`, so a CP mesh is refused in one line at
+    conversion and at load, and TP alone converts); where no single config value does, CP stays as declared and
+    the model check refuses a CP mesh (`check_cp_entries`)."""
+    missing = unmatched_cp_entries(plan.cp_plan or {}, model)
+    if not missing:
+        return plan
+    lists = {name: len(m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList)}
+    needed: dict[str, int] = {}  # ModuleList -> blocks the entries name
+    for pattern in missing:
+        head, _, rest = pattern.partition(".")
+        while rest and head not in lists:
+            step, _, rest = rest.partition(".")
+            head = f"{head}.{step}"
+        index = rest.partition(".")[0]
+        if head not in lists or not index.isdigit():
+            return plan
+        needed[head] = max(needed.get(head, 0), int(index) + 1)
+    if len(needed) != 1:
+        return plan
+    ((blocks, count),) = needed.items()
+    fits = []
+    for key, value in config.items():
+        if key.startswith("_") or not isinstance(value, int) or isinstance(value, bool) or value != lists[blocks]:
+            continue
+        try:
+            variant = build_on_meta(cls, {**config, key: count})
+        except PlanError:
+            continue
+        if not unmatched_cp_entries(plan.cp_plan or {}, variant):
+            fits.append(key)
+    if len(fits) != 1:
+        return plan
+    key = fits[0]
+    return replace(
+        plan,
+        description=f"{plan.description} (its _cp_plan names {missing[0]} and the other blocks of config "
+        f"{key} = {count}: context parallel at that config only)",
+        cp_config_requires={**plan.cp_config_requires, key: count},
+    )
+
+
+def check_cp_entries(plan: Plan, model: nn.Module) -> None:
+    """Every entry of the CP plan a CP mesh would use (the plan's, else the class's `_cp_plan`) matches a module.
+
+    Raises:
+        PlanError: naming the first entry that matches none, and the fix.
+    """
+    declared = getattr(type(model), "_cp_plan", None)
+    cp_plan = plan.cp_plan or (cp_plan_from_diffusers(declared) if declared else {})
+    missing = unmatched_cp_entries(cp_plan, model)
+    if missing:
+        raise PlanError(
+            f"{plan.origin}: cp plan entry {missing[0]!r} matches no module of {type(model).__name__} at this config, "
+            "so no rank could load a context-parallel mesh: use ring=1 and ulysses=1 (--cp 1), or give a plan "
+            "file whose cp_plan names its modules (--plan FILE)"
         )
-    return plan_from_model(model, config)
 
 
 def plan_from_model(model: nn.Module, config: dict[str, Any] | None = None) -> Plan:
@@ -199,6 +283,8 @@ def check_plan_against_model(plan: Plan, config: dict[str, Any] | None, tp: int,
         return
     model = build_on_meta(cls, config or {})
     check_model_structure(plan, model, tp)
+    if cp > 1:
+        check_cp_entries(plan, model)
     for rule in rules:
         for name, module in model.named_modules():
             if name and matches(rule.match, name):

@@ -5,8 +5,9 @@ runs replicated, unchanged and correct:
 - attention (diffusers' modules with a processor): the q/k/v projections (separate, Kandinsky's `to_query`/
   `to_key`/`to_value` too, or fused `to_qkv`/`to_kv` as packed blocks, grouped KV heads included) and the added
   text projections colwise, the output projections (`out_layer` too) rowwise, the head-count attributes divided;
-  a q/k norm over one head (the query's width over the head count where no attribute gives it) stays whole, one
-  across all heads of a column-split projection takes `tp_rms_norm`;
+  a q/k norm over one head (the query's width over the head count where no attribute gives it) or on the
+  attention's input stays whole, one across all heads of a column-split projection takes `tp_rms_norm` or
+  `tp_layer_norm`;
 - feed-forwards: diffusers' `FeedForward` (GELU, GEGLU, SwiGLU, ...; a packed `[hidden; gate]` projection as two
   packed blocks) and MLP modules of two or three Linear layers (up/gate colwise, down rowwise);
 - single-stream blocks whose attention has no output projection and whose `proj_out` takes `cat([attn, mlp])`:
@@ -40,9 +41,9 @@ from preshard.format.styles import (
     ReplicatedInputRowwise,
     Rowwise,
     Style,
-    TPRMSNorm,
+    tp_norm_style,
 )
-from preshard.plans.model_check import folded, is_attention, norm_size
+from preshard.plans.model_check import folded, is_attention, norm_size, on_input
 
 # Head-count attributes of attention modules that a processor may reshape by: divided by the TP degree.
 HEAD_ATTRIBUTES = (
@@ -88,10 +89,12 @@ def infer_plan(model: nn.Module, config: dict[str, Any] | None = None) -> Plan:
     outputless: dict[str, int] = {}  # attention modules with no output projection -> their output width
     for name in attention:
         width = _attention(origin, name, modules[name], styles, divides)
+        _differential(origin, name, modules[name], styles)
         if width is not None:
             outputless[name] = width
+    widths: dict[str, tuple[str, ...]] = {}  # blocks -> their attributes holding a split MLP width
     for name, width in outputless.items():
-        _single_stream(origin, name, width, modules, styles)
+        _single_stream(origin, name, width, modules, styles, widths)
     inside = tuple(f"{name}." for name in attention)
     for name, module in modules.items():
         if name and not name.startswith(inside) and name not in styles:
@@ -107,7 +110,7 @@ def infer_plan(model: nn.Module, config: dict[str, Any] | None = None) -> Plan:
     return Plan(
         name=f"inferred-{cls.__name__}",
         linear=tuple(_fold_rules(styles, modules)),
-        attention=tuple(_fold_attention(divides, modules)),
+        attention=(*_fold_attention(divides, modules), *_fold_attention(widths, modules, context_parallel=False)),
         config_divisible=tuple(k for k in HEAD_CONFIG_KEYS if _is_int(config.get(k))),
         model_classes=(cls.__name__,),
         description=f"inferred by preshard from the modules of {cls.__name__}",
@@ -130,7 +133,7 @@ def _has_params(module: nn.Module) -> bool:
 
 
 def _head_dim(module: nn.Module) -> int | None:
-    for attr in ("head_dim", "dim_head", "attention_head_dim"):
+    for attr in ("head_dim", "dim_head", "dim_heads", "attention_head_dim"):
         value = _int_attr(module, attr)
         if value is not None:
             return value
@@ -194,7 +197,7 @@ def _attention(
     for child, sub in module.named_modules():  # after the projections: a norm may be registered before them
         if child and not isinstance(sub, nn.Linear):
             if list(sub.parameters(recurse=False)) or "norm" in child.rpartition(".")[2].lower():
-                _attention_norm(origin, name, f"{name}.{child}", child, sub, head_dim, split_widths, styles)
+                _attention_norm(origin, name, f"{name}.{child}", child, sub, module, head_dim, split_widths, styles)
     for param, _ in module.named_parameters(recurse=False):
         raise PlanError(
             f"{origin}: {name}.{param} is a parameter of attention {name} itself (per-head values preshard cannot "
@@ -210,31 +213,57 @@ def _attention(
     return width if outputs == 0 else None
 
 
+def _differential(origin: str, name: str, module: nn.Module, styles: dict[str, Style]) -> None:
+    """Differential attention (StableAudio-3's `use_differential`: `Attn(q1, k1, v) - Attn(q2, k2, v)`) fuses
+    `[q1 | q2 | k1 | k2 | v]`, `[q1 | q2]` and `[k1 | k2 | v]`, each part as wide as the heads: each of its
+    column-split projections is packed in parts of that width (what `chunk` cuts on every rank), whatever its
+    name says."""
+    if not getattr(module, "use_differential", False):
+        return
+    heads, head_dim = _int_attr(module, "heads"), _head_dim(module)
+    if heads is None or head_dim is None:
+        raise PlanError(f"{origin}: differential attention {name} has no heads and head_dim to cut its parts by")
+    width = heads * head_dim
+    for child, sub in module.named_modules():
+        full = f"{name}.{child}"
+        if not isinstance(sub, nn.Linear) or not isinstance(styles.get(full), Colwise):
+            continue
+        if sub.out_features % width:
+            raise PlanError(
+                f"{origin}: {full} ({sub.out_features} features) of differential attention {name} is not made of "
+                f"parts as wide as its {heads} heads ({width}); write a plan file for this model (--plan FILE)"
+            )
+        parts = sub.out_features // width
+        styles[full] = PackedColwise(blocks=(width,) * parts) if parts > 1 else Colwise()
+
+
 def _attention_norm(
     origin: str,
     name: str,
     full: str,
     child: str,
     sub: nn.Module,
+    module: nn.Module,
     head_dim: int | None,
     split_widths: set[int],
     styles: dict[str, Style],
 ) -> None:
-    """A norm in attention: over one head stays whole; across every head of a split projection is `tp_rms_norm`."""
+    """A norm in attention `module`: over one head, or on its whole input (`model_check.on_input`), stays whole;
+    across every head of a split projection takes the TP norm style for its class (`tp_rms_norm`,
+    `tp_layer_norm`)."""
     size = norm_size(sub)
-    leaf = child.rpartition(".")[2]
-    if leaf.startswith("pre_") or (size is not None and size == head_dim):
-        return  # on the whole input, or per head
+    if (size is not None and size == head_dim) or on_input(child, sub, module):
+        return  # per head, or on the whole input
     if size is None and not list(sub.parameters(recurse=False)):
         return  # Identity and friends
     if size in split_widths:
-        why = TPRMSNorm.unsupported(sub)
-        if why is not None:
+        style = tp_norm_style(sub)
+        if isinstance(style, str):
             raise PlanError(
                 f"{origin}: {full} normalises across all {size} features of a column-split projection of {name}, "
-                f"and it {why}; this model cannot be sharded across heads yet"
+                f"and it {style}; this model cannot be sharded across heads yet"
             )
-        styles[full] = TPRMSNorm()
+        styles[full] = style
         return
     raise PlanError(
         f"{origin}: {full} ({type(sub).__name__}, {size} features) in attention {name} is neither per head nor "
@@ -242,8 +271,21 @@ def _attention_norm(
     )
 
 
-def _single_stream(origin: str, name: str, width: int, modules: dict[str, nn.Module], styles: dict[str, Style]):
-    """An attention with no output projection: its block's `proj_out` must take cat([attention, mlp])."""
+def _single_stream(
+    origin: str,
+    name: str,
+    width: int,
+    modules: dict[str, nn.Module],
+    styles: dict[str, Style],
+    widths: dict[str, tuple[str, ...]],
+) -> None:
+    """An attention with no output projection: its block's `proj_out` must take cat([attention, mlp]).
+
+    A gated MLP (`proj_mlp` of `[hidden; gate]`, `proj_out` over `width + hidden`, Ovis-Image's) is packed colwise
+    in its two halves; a block that splits them by an integer attribute holding `hidden` (`torch.split(x,
+    [self.mlp_hidden_dim] * 2)`) has that attribute divided by the TP degree, as an attention's head counts are.
+    A block with no such attribute would split by a width it holds elsewhere: refused.
+    """
     block = name.rpartition(".")[0]
     where = f"{block}." if block else ""
     out = modules.get(f"{where}proj_out")
@@ -254,11 +296,20 @@ def _single_stream(origin: str, name: str, width: int, modules: dict[str, nn.Mod
             styles[f"{where}proj_mlp"] = Colwise()
             styles[f"{where}proj_out"] = PackedRowwise(blocks=(width, hidden))
             return
-        if out.weight.shape[1] == width + hidden // 2:  # a gated MLP, split by a width the block holds
-            raise PlanError(
-                f"{origin}: {where}proj_mlp feeds a gated MLP that its block splits by its full width, which a "
-                "column split would not match; write a plan file for this model (--plan FILE)"
-            )
+        half = hidden // 2
+        if hidden % 2 == 0 and out.weight.shape[1] == width + half:  # a gated MLP: [hidden; gate]
+            holder = modules[block] if block else None
+            attrs = tuple(a for a, v in vars(holder).items() if _is_int(v) and v == half) if holder else ()
+            if len(attrs) != 1:
+                raise PlanError(
+                    f"{origin}: {where}proj_mlp feeds a gated MLP of {half} features that its block "
+                    f"{block or '(the model)'} splits by a width preshard does not find as one integer attribute "
+                    f"(found {list(attrs)}); write a plan file for this model (--plan FILE)"
+                )
+            styles[f"{where}proj_mlp"] = PackedColwise(blocks=(half, half))
+            styles[f"{where}proj_out"] = PackedRowwise(blocks=(width, half))
+            widths[block] = attrs
+            return
     raise PlanError(
         f"{origin}: attention {name} has no output projection and its block has no proj_out over "
         "cat([attention, proj_mlp]) to reduce it; write a plan file for this model (--plan FILE)"
@@ -328,7 +379,8 @@ def _rotary_across_heads(
     modules: dict[str, nn.Module], styles: dict[str, Style], attention: list[str], inside: tuple[str, ...]
 ) -> dict[str, dict[int, SeqDim]]:
     """Rotary modules outside attention whose (cos, sin) tables span every head at once (`dim` as wide as a
-    column-split query, LTX-Video's): each rank slices its part of the last dim, as the queries it rotates."""
+    column-split query, LTX-Video's): each rank slices its part of the last dim, as the queries it rotates; or of
+    the heads dim, for tables already per head (LTX-2's `rope_type="split"`, [B, heads, S, D/2])."""
     head_dims = {_head_dim(modules[name]) for name in attention}
     widths = set()
     for name, style in styles.items():
@@ -339,9 +391,11 @@ def _rotary_across_heads(
     for name, module in modules.items():
         if not name or name.startswith(inside) or not re.search(r"rotary|rope", type(module).__name__, re.I):
             continue
-        dim = _int_attr(module, "dim")
-        if dim in widths and dim not in head_dims:
-            found[name] = {0: SeqDim(-1), 1: SeqDim(-1)}
+        dim, heads = _int_attr(module, "dim"), _int_attr(module, "num_attention_heads")
+        # its own head count says whether `dim` spans heads (LTX-2's tiny audio width equals a video head_dim)
+        if dim in widths and (dim not in head_dims if heads is None else heads > 1):
+            split = getattr(module, "rope_type", None) == "split"  # LTX-2's per-head tables [B, H, S, D/2]
+            found[name] = {i: SeqDim(1, 4) if split else SeqDim(-1) for i in (0, 1)}
     return found
 
 
@@ -367,7 +421,9 @@ def _fold_rules(styles: dict[str, Style], modules: dict[str, nn.Module]) -> Iter
     return rules
 
 
-def _fold_attention(divides: dict[str, tuple[str, ...]], modules: dict[str, nn.Module]) -> list[AttentionRule]:
+def _fold_attention(
+    divides: dict[str, tuple[str, ...]], modules: dict[str, nn.Module], context_parallel: bool = True
+) -> list[AttentionRule]:
     groups: dict[str, list[str]] = {}
     for name in divides:
         groups.setdefault(_fold(name), []).append(name)
@@ -376,7 +432,7 @@ def _fold_attention(divides: dict[str, tuple[str, ...]], modules: dict[str, nn.M
         kinds = {divides[n] for n in names}
         matched = [m for m in modules if m and matches(pattern, m)]
         if len(kinds) == 1 and len(matched) == len(names):
-            rules.append(AttentionRule(pattern, divides[names[0]], True))
+            rules.append(AttentionRule(pattern, divides[names[0]], context_parallel))
         else:
-            rules += [AttentionRule(n, divides[n], True) for n in names]
+            rules += [AttentionRule(n, divides[n], context_parallel) for n in names]
     return rules

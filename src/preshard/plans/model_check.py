@@ -2,10 +2,11 @@
 
 Three things a plan can get wrong that the tensor names and shapes alone do not show:
 - a rule naming something that is not what its style shards (a Linear style on a ModuleList, `tp_rms_norm` on
-  a LayerNorm), or a norm rule on a norm whose features no column-split projection beside it produces;
+  a LayerNorm, which takes `tp_layer_norm`), or a norm rule on a norm whose features no column-split projection
+  beside it produces;
 - a norm across every head of a column-split projection left whole (Wan's and LTX-2's
   `qk_norm="rms_norm_across_heads"`): each rank holds a part of what it normalises. The message says to use
-  `tp_rms_norm` where that style applies;
+  `tp_rms_norm` or `tp_layer_norm` where one applies (a norm on the attention's input, `pre_*`, is not one);
 - inside an attention module whose head count the plan divides, a Linear left whole: it would see every head
   on every rank (LTX-2.3's per-head gate `to_gate_logits` under a plan written for LTX-2.0).
 
@@ -21,8 +22,8 @@ import torch
 from torch import nn
 
 from preshard.errors import PlanError
-from preshard.format.plan import Plan, matches
-from preshard.format.styles import Colwise, Style, TPRMSNorm, VocabParallel
+from preshard.format.plan import AttentionRule, Plan, matches
+from preshard.format.styles import Colwise, Style, TPNorm, VocabParallel, tp_norm_style
 
 _NORM_TYPES = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)
 
@@ -33,11 +34,25 @@ def is_attention(module: nn.Module) -> bool:
 
 
 def norm_size(module: nn.Module) -> int | None:
-    """The features a norm module normalises over (one trailing dim), else None."""
+    """The features a norm module normalises over (one trailing dim), else None: its `weight`'s, or that of its
+    only parameter where that is 1-D (StableAudio-3's `gamma`), or its `normalized_shape` / `dim`."""
     weight = getattr(module, "weight", None)
     if isinstance(weight, torch.Tensor) and weight.dim() == 1:
         return weight.shape[0]
-    return TPRMSNorm.width(module)
+    own = list(module.parameters(recurse=False))
+    if weight is None and len(own) == 1 and own[0].dim() == 1:
+        return own[0].shape[0]
+    return TPNorm.width(module)
+
+
+def on_input(child: str, module: nn.Module, attention: nn.Module) -> bool:
+    """Whether norm `child` of `attention` normalises the attention's input rather than a projection's output:
+    named `pre_*` (WanAnimate's face adapter: `pre_norm_q(hidden_states)` before `to_q`) and as wide as the
+    input of a Linear in it. Its input is whole on every rank, so it stays whole."""
+    if not child.rpartition(".")[2].startswith("pre_"):
+        return False
+    size = norm_size(module)
+    return any(isinstance(m, nn.Linear) and m.in_features == size for m in attention.modules())
 
 
 def _is_norm(name: str, module: nn.Module) -> bool:
@@ -83,7 +98,7 @@ def check_norms_across_heads(
     origin: str, modules: dict[str, nn.Module], styles: dict[str, Style], attention: Iterable[str]
 ) -> None:
     """A norm in one of the `attention` modules that spans the whole output of a column-split projection beside it
-    (every head at once) must have the `tp_rms_norm` style.
+    (every head at once) must have a TP norm style (`tp_rms_norm`, `tp_layer_norm`).
 
     Raises:
         PlanError: naming the norm, the projection, and the rule to add (or why no style can split it).
@@ -98,16 +113,18 @@ def check_norms_across_heads(
             size = norm_size(child) if _is_norm(full, child) else None
             if size is None or size not in split or size == head_dim or full in styles:
                 continue
+            if on_input(child_name, child, module):
+                continue
             across = (
                 f"{origin}: {full} normalises across all {size} features of the column-split "
                 f"{_producer(child_name, split[size])} (every head at once), which TP splits across ranks"
             )
-            why = TPRMSNorm.unsupported(child)
-            if why is not None:
-                raise PlanError(f"{across}; it {why}, so this model cannot be sharded across heads yet")
+            style = tp_norm_style(child)
+            if isinstance(style, str):
+                raise PlanError(f"{across}; it {style}, so this model cannot be sharded across heads yet")
             raise PlanError(
-                f'{across}; shard it with the tp_rms_norm style: add {{"match": "{folded(full)}", "style": '
-                '"tp_rms_norm"} to the plan\'s "linear" rules (a plan file: --plan FILE)'
+                f'{across}; shard it with the {style.name} style: add {{"match": "{folded(full)}", "style": '
+                f'"{style.name}"}} to the plan\'s "linear" rules (a plan file: --plan FILE)'
             )
 
 
@@ -116,7 +133,7 @@ def rule_styles(plan: Plan, modules: dict[str, nn.Module]) -> dict[str, Style]:
 
     Raises:
         PlanError: a rule that matches no module (unless optional), a Linear rule on something else, a
-            `vocab_parallel` rule on a module it does not support, a `tp_rms_norm` rule on a norm it does not
+            `vocab_parallel` rule on a module it does not support, a TP norm rule on a norm it does not
             support or whose features no column-split projection beside it produces.
     """
     cls = type(next(iter(modules.values()))).__name__
@@ -129,11 +146,11 @@ def rule_styles(plan: Plan, modules: dict[str, nn.Module]) -> dict[str, Style]:
             continue  # keeps whatever it names whole: nothing to check
         for name in hits:
             module = modules[name]
-            if rule.style.module_kind == "norm":
-                why = TPRMSNorm.unsupported(module)
+            if isinstance(rule.style, TPNorm):
+                why = rule.style.unsupported(module)
                 if why is not None:
                     raise PlanError(
-                        f"{plan.origin}: rule {rule.match!r} gives {name} the tp_rms_norm style, but it {why}"
+                        f"{plan.origin}: rule {rule.match!r} gives {name} the {rule.style.name} style, but it {why}"
                     )
             elif rule.style.module_kind == "embedding":
                 why = VocabParallel.unsupported(module)
@@ -154,15 +171,22 @@ def rule_styles(plan: Plan, modules: dict[str, nn.Module]) -> dict[str, Style]:
         parent = name.rpartition(".")[0]
         if norm_size(modules[name]) not in outputs.get(parent, {}):
             raise PlanError(
-                f"{plan.origin}: {name} has the tp_rms_norm style, but no column-split Linear beside it produces its "
+                f"{plan.origin}: {name} has the {style.name} style, but no column-split Linear beside it produces its "
                 f"{norm_size(modules[name])} features, so its input is not split; leave it replicated"
             )
     return styles
 
 
+def _heads_of(rule: AttentionRule, module: nn.Module) -> bool:
+    """Whether `rule` divides `module`'s heads: an attention module, or an attribute named for heads; not a block
+    whose split MLP width alone it divides (a single-stream block's `mlp_hidden_dim`, `infer._single_stream`),
+    whose other Linear layers (its modulation) see no head."""
+    return is_attention(module) or any("head" in attr for attr in rule.divide)
+
+
 def check_model_structure(plan: Plan, model: nn.Module, tp: int = 2) -> None:
     """Every rule fits the module it names; at `tp` > 1, in every attention module whose heads the plan divides,
-    each Linear is sharded and each norm across the heads has `tp_rms_norm` (at tp=1 nothing is divided).
+    each Linear is sharded and each norm across the heads has a TP norm style (at tp=1 nothing is divided).
 
     Raises:
         PlanError: one line naming the module that blocks the plan and why.
@@ -171,7 +195,11 @@ def check_model_structure(plan: Plan, model: nn.Module, tp: int = 2) -> None:
     styles = rule_styles(plan, modules)
     if tp == 1:
         return
-    divided = [name for name in modules if name and any(r.divide and matches(r.match, name) for r in plan.attention)]
+    divided = [
+        name
+        for name in modules
+        if name and any(r.divide and matches(r.match, name) and _heads_of(r, modules[name]) for r in plan.attention)
+    ]
     check_norms_across_heads(plan.origin, modules, styles, divided)
     for name in divided:
         for child_name, child in modules[name].named_modules():

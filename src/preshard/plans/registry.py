@@ -81,9 +81,11 @@ def vouched_for(plan: Plan, config: dict[str, Any] | None, layouts: Mapping[str,
 
 
 def choose_plan(plan: str | Path | Plan | None, config: dict[str, Any] | None, tp: int = 1) -> Plan:
-    """The plan a conversion uses: the one given; else a built-in plan for config.json's `_class_name`; else the
-    plan the diffusers class declares (`_tp_plan`), read from the class built on the meta device; else the plan
-    inferred from its modules (`plans/infer.py`), which `plan="auto"` asks for whatever else exists. For a
+    """The plan a conversion uses: the one given; else a built-in plan for config.json's `_class_name` (if the
+    config has the values it is made for, `config_requires`: LTX-2's rope_type); else the plan the diffusers
+    class declares (`_tp_plan`), read from the class built on the meta device; else the plan inferred from its
+    modules (`plans/infer.py`), which `plan="auto"` asks for whatever else exists. A built-in plan passed over
+    for its config is named, with why, in the description and origin of the plan chosen instead. For a
     transformers model (config.json's `architectures`), the plan inferred from its blocks at TP degree `tp`
     (`hf_transformers`: grouped KV heads are split or kept whole depending on it).
 
@@ -98,7 +100,8 @@ def choose_plan(plan: str | Path | Plan | None, config: dict[str, Any] | None, t
         return load_plan(plan)
     class_name = (config or {}).get("_class_name")
     found = None if auto else builtin_plan_for_class(class_name)
-    if found is not None:
+    passed_over = None if found is None else found.config_mismatch(config)
+    if found is not None and passed_over is None:
         return found
     if is_transformers_config(config):
         from preshard.plans.hf_transformers import plan_for_transformers  # torch and transformers
@@ -108,4 +111,9 @@ def choose_plan(plan: str | Path | Plan | None, config: dict[str, Any] | None, t
         raise PlanError("no plan: the checkpoint has no config.json naming its model class; pass --plan NAME|FILE")
     from preshard.plans.from_model import plan_from_model_class
 
-    return plan_from_model_class(class_name, config or {}, infer=auto)
+    if passed_over is None:
+        return plan_from_model_class(class_name, config or {}, infer=auto)
+    try:  # the built-in plan is made for another variant of the class: the next source decides, saying why
+        return plan_from_model_class(class_name, config or {}, passed_over=passed_over)
+    except PlanError as exc:
+        raise PlanError(f"{passed_over}, and no other plan fits: {exc}") from None

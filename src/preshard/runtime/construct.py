@@ -28,7 +28,7 @@ from preshard.format.folder import CheckpointFolder
 from preshard.format.jsonio import parse_json_text
 from preshard.format.manifest import Manifest
 from preshard.format.plan import matches
-from preshard.format.styles import TPRMSNorm, VocabParallel
+from preshard.format.styles import TPNorm, VocabParallel
 from preshard.plans.model_class import is_transformers_config
 from preshard.units import plural
 
@@ -223,7 +223,7 @@ def localise(model: nn.Module, manifest: Manifest) -> dict[str, nn.Module]:
 
     Raises:
         PlanError: the plan splits a tensor of a module that is not an nn.Linear (or, for a norm style, a
-            supported RMSNorm; for `vocab_parallel`, a supported nn.Embedding).
+            norm that style supports; for `vocab_parallel`, a supported nn.Embedding).
     """
     tp = manifest.tp
     modules: dict[str, nn.Module] = {}
@@ -234,7 +234,8 @@ def localise(model: nn.Module, manifest: Manifest) -> dict[str, nn.Module]:
         module_name, _, leaf = name.rpartition(".")
         module = model.get_submodule(module_name)
         if layout.style.module_kind == "norm":
-            why = TPRMSNorm.unsupported(module)
+            style = layout.style
+            why = style.unsupported(module) if isinstance(style, TPNorm) else f"is not a norm {style.name} applies to"
             if why is not None:
                 raise PlanError(f"the plan gives {module_name} the {layout.style.name} style, but it {why}")
         elif layout.style.module_kind == "embedding":

@@ -127,7 +127,14 @@ class CPRuntime:
     # -- sequences
 
     def rows_for(self, length: int, name: str | None, where: str) -> int:
-        """Rows per rank of the sequence of `length` real rows: the same for every split of it in this forward."""
+        """Rows per rank of the sequence of `length` real rows: the same for every split of it in this forward.
+
+        `name` (the split input's argument name) is kept only where the join order names it: only there does the
+        key layout need it, and elsewhere one name may carry sequences of several lengths in one forward (Helios's
+        blocks split `hidden_states` with its history frames for self-attention and without for the rest).
+        """
+        if name not in self.join_order:
+            name = None
         if name is not None and name in self.named and self.named[name] != length:
             raise UsageError(
                 f"context parallel: {where} has {length} rows, but {name} had {self.named[name]} earlier in this "
@@ -599,7 +606,10 @@ def attach_context_parallel(
     for pattern, entry in cp_plan.items():
         hits = [n for n in modules if matches(pattern, n)]
         if not hits:
-            raise PlanError(f"cp plan entry {pattern!r} matches no module of {type(model).__name__}")
+            raise PlanError(
+                f"cp plan entry {pattern!r} matches no module of {type(model).__name__}: load with ring=1 and "
+                "ulysses=1, or convert with a plan file whose cp_plan names this model's modules (--plan FILE)"
+            )
         for name in hits:
             module = modules[name]
             if entry.split_inputs:

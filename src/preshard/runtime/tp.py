@@ -7,10 +7,10 @@ added once, after the reduce. That ordering cannot be expressed with forward hoo
 subclass whose forward is the style's own `parallel_forward`: names, parameters and
 `isinstance(m, nn.Linear)` are unchanged. Styles whose local output is already this rank's slice of the
 features (colwise, packed colwise) need nothing. A norm across the heads of a column-split projection
-(`tp_rms_norm`) is switched the same way, to a subclass of its own class; everything its forward reads
-(group, rank, full width) is set on the module once, so torch.compile traces it with no graph break. An
-embedding split by vocabulary (`vocab_parallel`) is switched likewise, and an lm_head over that vocabulary
-(`colwise_gather`) all-gathers its logits rather than all-reducing them.
+(`tp_rms_norm`, `tp_layer_norm`) is switched the same way, to a subclass of its own class; everything its
+forward reads (group, rank, full width) is set on the module once, so torch.compile traces it with no graph
+break. An embedding split by vocabulary (`vocab_parallel`) is switched likewise, and an lm_head over that
+vocabulary (`colwise_gather`) all-gathers its logits rather than all-reducing them.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from torch.distributed import ProcessGroup
 
 from preshard.errors import PlanError
 from preshard.format.plan import Plan, SeqDim, matches
-from preshard.format.styles import Style, TPRMSNorm
+from preshard.format.styles import Style, TPNorm
 from preshard.runtime import collectives
 from preshard.runtime.changes import ModelChanges
 
@@ -167,7 +167,8 @@ def _parallel_norm_class(cls: type) -> type:
 def parallelize_norms(
     model: nn.Module, plan: Plan, group: ProcessGroup | None, tp_rank: int, tp: int, changes: ModelChanges | None = None
 ) -> dict[str, str]:
-    """Switch every norm a `tp_rms_norm` rule names (with or without a weight) to the TP forward.
+    """Switch every norm a `tp_rms_norm` or `tp_layer_norm` rule names (with or without a weight and bias) to the TP
+    forward.
 
     Call after the weights are in place: a norm's weight (if any) must already be its local slice.
 
@@ -175,7 +176,7 @@ def parallelize_norms(
         The description of each switched norm, by module name, for the model's report.
 
     Raises:
-        PlanError: a rule matching no module, or a module that is not a supported RMSNorm, whose width `tp`
+        PlanError: a rule matching no module, or a module that is not a norm its style supports, whose width `tp`
             does not divide, or whose weight is not the local slice.
     """
     described: dict[str, str] = {}
@@ -188,24 +189,27 @@ def parallelize_norms(
             module = modules[name]
             if isinstance(module, ParallelNorm):
                 continue
-            why = TPRMSNorm.unsupported(module)
+            style = rule.style
+            why = style.unsupported(module) if isinstance(style, TPNorm) else f"is not a norm {style.name} applies to"
             if why is not None:
-                raise PlanError(f"the plan gives {name} the {rule.style.name} style, but it {why}")
-            full = TPRMSNorm.width(module)
+                raise PlanError(f"the plan gives {name} the {style.name} style, but it {why}")
+            full = TPNorm.width(module) or 0  # (a supported norm has one)
             if full % tp:
                 raise PlanError(f"--tp {tp} does not divide the {full} features {name} normalises")
-            weight = getattr(module, "weight", None)
-            if weight is not None and tuple(weight.shape) != (full // tp,):
-                raise PlanError(
-                    f"{name} has a weight of shape {list(weight.shape)}, not its slice [{full // tp}] at tp={tp}; "
-                    "its weight must be split by the same tp_rms_norm rule in the checkpoint"
-                )
-            described[name] = f"tp: {rule.style.name}: sum of squares all-reduced(sum) over tp group, width {full}"
+            for param in ("weight", "bias"):
+                value = getattr(module, param, None)
+                if value is not None and tuple(value.shape) != (full // tp,):
+                    raise PlanError(
+                        f"{name} has a {param} of shape {list(value.shape)}, not its slice [{full // tp}] at tp={tp}; "
+                        f"its {param} must be split by the same {style.name} rule in the checkpoint"
+                    )
+            what = "sum of squares" if style.name == "tp_rms_norm" else "sum, then sum of squared deviations,"
+            described[name] = f"tp: {style.name}: {what} all-reduced(sum) over tp group, width {full}"
             local = {"normalized_shape": (full // tp,)} if hasattr(module, "normalized_shape") else {
                 "dim": torch.Size((full // tp,))
             }  # fmt: skip
             _switch(changes or ModelChanges(model), module, name, _parallel_norm_class(type(module)), described[name], {
-                "preshard_style": rule.style, "preshard_forward": rule.style.parallel_forward(),
+                "preshard_style": style, "preshard_forward": style.parallel_forward(),
                 "preshard_full_width": full, "tp_group": group, "tp_rank": tp_rank, "tp_size": tp, **local,
             })  # fmt: skip
     return described
