@@ -251,6 +251,57 @@ class KVHeadSelect(Style):
         return kv_head_select_forward
 
 
+@dataclass(frozen=True)
+class ColwiseGather(Colwise):
+    """Output features split as colwise, then all-gathered along the last dim: every rank returns the whole output.
+    For an lm_head over a vocabulary split by rows: each rank computes its V/T logits, the gather gives all V."""
+
+    name: ClassVar[str] = "colwise_gather"
+    collective: ClassVar[str] = "all_gather"
+
+    def parallel_forward(self) -> Callable[..., Any]:
+        from preshard.format.style_forwards import colwise_gather_forward
+
+        return colwise_gather_forward
+
+
+@dataclass(frozen=True)
+class VocabParallel(Style):
+    """An nn.Embedding split by vocabulary rows: rank r holds rows `[r*V/T, (r+1)*V/T)`, looks up the ids in them
+    (a zero vector for the others) and all-reduces the sum over the TP group, which is the unsharded lookup exactly
+    (each row comes from one rank, every other adds zeros). An id outside the vocabulary gives a zero vector where
+    the unsharded embedding raises an index error."""
+
+    name: ClassVar[str] = "vocab_parallel"
+    weight_dim: ClassVar[int | None] = 0
+    module_kind: ClassVar[str] = "embedding"
+
+    def parallel_forward(self) -> Callable[..., Any]:
+        from preshard.format.style_forwards import vocab_parallel_forward
+
+        return vocab_parallel_forward
+
+    @staticmethod
+    def unsupported(module: Any) -> str | None:
+        """Why `module` cannot take this style (None: it can): an nn.Embedding without `max_norm` (which renormalises
+        the rows it looks up, in place), of torch's class or of a subclass whose own forward, if it has one, calls
+        `super()` and so computes on nn.Embedding's lookup (Gemma-3's scaled embedding multiplies it by a constant)."""
+        import torch
+
+        if not isinstance(module, torch.nn.Embedding):
+            return f"is a {type(module).__name__}, not an nn.Embedding"
+        if module.max_norm is not None:
+            return "renormalises the rows it looks up (max_norm), which a split vocabulary cannot do alike"
+        forward = type(module).forward
+        code = getattr(forward, "__code__", None)
+        if forward is not torch.nn.Embedding.forward and (code is None or "super" not in code.co_names):
+            return (
+                f"is a {type(module).__name__} whose forward does not call nn.Embedding's, and vocab_parallel splits "
+                "that lookup only"
+            )
+        return None
+
+
 _ALL_STYLES: tuple[type[Style], ...] = (
     Style,
     Colwise,
