@@ -38,6 +38,7 @@ start, building the model (on meta, checks, hooks) and the read of the rank's sh
     python benchmarks/bench_load.py --layers 2 --tp 4 --rank 1 --runs 5
     python benchmarks/bench_load.py --ranks 8                 # 8 torchrun ranks, time to a loaded model
     python benchmarks/bench_load.py --plan my-plan.json --source path/to/transformer  # your own checkpoint
+    python benchmarks/bench_load.py --converted DIR --variants raw,preshard,verified   # an existing conversion
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def _variant_files(checkpoint: Path, source: Path, rank: int) -> dict[str, list[
 
     manifest = read_manifest(checkpoint)
     mine = [checkpoint / f for f in manifest.files_for_tp_rank(rank)] + [checkpoint / "manifest.json"]
-    src = _files_of(source) if source.is_dir() else [source]
+    src = (_files_of(source) if source.is_dir() else [source]) if source.exists() else []
     return {"raw": mine, "preshard": mine, "verified": mine, "prefault": mine, "hugepages": mine, "slice": src}
 
 
@@ -409,21 +410,26 @@ def _raw_bytes(t):
 
 
 def check(checkpoint: Path, rank: int) -> dict:
-    """preshard and slice deliver the same tensors bit for bit, and raw the same bytes (else nothing compares)."""
+    """preshard and slice deliver the same tensors bit for bit, and raw the same bytes (else nothing compares).
+    Without the source (an existing conversion whose source is gone) preshard is compared with nothing but raw."""
     import torch
 
     from preshard.format.manifest import read_manifest
 
-    preshard, sliced = _prepare_preshard(checkpoint, rank), _prepare_slice(checkpoint, rank)
-    preshard()
-    sliced()
-    # compared as bytes: random bit patterns include NaNs, which torch.equal never finds equal
-    wrong = [n for n, t in preshard.outs.items() if not torch.equal(_raw_bytes(t), _raw_bytes(sliced.outs[n]))]
     manifest = read_manifest(checkpoint)
+    preshard = _prepare_preshard(checkpoint, rank)
+    preshard()
+    wrong: list[str] = []
+    if Path(manifest.source.path).exists():
+        sliced = _prepare_slice(checkpoint, rank)
+        sliced()
+        # compared as bytes: random bit patterns include NaNs, which torch.equal never finds equal
+        wrong = [n for n, t in preshard.outs.items() if not torch.equal(_raw_bytes(t), _raw_bytes(sliced.outs[n]))]
     raw = _prepare_raw(checkpoint, rank)
     raw_bytes, _ = raw()
     return {
         "tensors": len(preshard.outs),
+        "sliced": Path(manifest.source.path).exists(),
         "wrong": wrong,
         "raw_bytes": raw_bytes,
         "preshard_bytes": sum(c.data_length for cs in manifest.chunks_for_tp_rank(rank).values() for c in cs),
@@ -623,6 +629,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shard-mib", type=int, default=2048, help="max safetensors file size of the source")
     parser.add_argument("--plan", help="plan JSON file or built-in plan name (default: the model's built-in plan)")
     parser.add_argument("--source", help="use this safetensors file/folder instead of the synthetic checkpoint")
+    parser.add_argument(
+        "--converted",
+        help="read this existing conversion (nothing written or converted; slice needs its source to exist)",
+    )
     parser.add_argument("--workdir", help="where to write the checkpoints (default: a temporary folder, removed)")
     parser.add_argument("--runs", type=int, default=3, help="alternating repetitions of every variant (default 3)")
     parser.add_argument("--no-cold", action="store_true", help="warm runs only")
@@ -681,22 +691,37 @@ def main(argv: list[str] | None = None) -> None:
     work.mkdir(parents=True, exist_ok=True)
     try:
         t0 = time.perf_counter()
-        source = Path(args.source) if args.source else write_source(work / "source", args.layers, args.shard_mib)
-        t1 = time.perf_counter()
-        out = work / f"tp{args.tp}"
-        manifest = convert_checkpoint(source, out, tp=args.tp, plan=args.plan, overwrite=True, progress=False)
-        t2 = time.perf_counter()
+        if args.converted:
+            from preshard.format.manifest import read_manifest
+
+            out = Path(args.converted)
+            manifest = read_manifest(out)
+            args.tp, source = manifest.tp, Path(manifest.source.path)
+            if "slice" in variants and not source.exists():
+                parser.error(f"--variants slice needs the source of {out}, {source}, which does not exist")
+            t1 = t2 = t0
+        else:
+            source = Path(args.source) if args.source else write_source(work / "source", args.layers, args.shard_mib)
+            t1 = time.perf_counter()
+            out = work / f"tp{args.tp}"
+            manifest = convert_checkpoint(source, out, tp=args.tp, plan=args.plan, overwrite=True, progress=False)
+            t2 = time.perf_counter()
         styles: dict[str, int] = {}
         for t in manifest.tensors.values():
             styles[t.layout.style.name] = styles.get(t.layout.style.name, 0) + 1
         total = sum(f.size for f in manifest.files)
         counts = ", ".join(f"{k} {v}" for k, v in sorted(styles.items()))
-        src_bytes = sum(p.stat().st_size for p in (_files_of(source) if source.is_dir() else [source]))
+        src_bytes = sum(p.stat().st_size for p in _variant_files(out, source, args.rank)["slice"])
         header = (
             f"source: {src_bytes / 2**30:.3f} GiB"
-            + ("" if args.source else f" (MiniMax-H3 real width, {args.layers} transformer + 2 refiner blocks)")
+            + (
+                ""
+                if args.source or args.converted
+                else f" (MiniMax-H3 real width, {args.layers} transformer + 2 refiner blocks)"
+            )
             + f", written in {t1 - t0:.1f} s\ncheckpoint: {len(manifest.tensors)} tensors ({counts}), "
             f"{total / 2**30:.3f} GiB in {len(manifest.files)} rank files, converted in {t2 - t1:.1f} s"
+            + (f" (--converted: the existing {out})" if args.converted else "")
         )
         record: dict = {"command": command, "cpus": os.cpu_count(), "loadavg_start": load_start, "modes": modes}
         if args.ranks:
@@ -728,7 +753,8 @@ def main(argv: list[str] | None = None) -> None:
             if verdict["raw_bytes"] != verdict["preshard_bytes"]:
                 raise SystemExit(f"raw reads {verdict['raw_bytes']} bytes, preshard {verdict['preshard_bytes']}")
             header += (
-                f"\ncheck: preshard and slice deliver the same {verdict['tensors']} tensors, bit for bit; raw reads "
+                f"\ncheck: preshard and {'slice' if verdict['sliced'] else 'nothing (no source)'} deliver the same "
+                f"{verdict['tensors']} tensors, bit for bit; raw reads "
                 f"the same {verdict['raw_bytes'] / MIB:.1f} MiB as preshard "
                 f"({verdict['raw_bytes'] / manifest.file(f'__{args.rank}_0.distcp').size:.3f}x the rank file)"
             )
