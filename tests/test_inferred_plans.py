@@ -35,8 +35,6 @@ KNOWN_FAILURES = {
     "head count, which TP cannot divide (tp2 without a mask matches)",
     "SanaWMLTX2RefinerTransformer3DModel": "its forward takes the (cos, sin) tables of every head at once "
     "(video_rotary_emb, for a column-split query): TP would have to slice a forward input per rank",
-    "LTX2VideoTransformer3DModel": "rope_type interleaved: the inferred plan matches at tp2, but the class's _cp_plan "
-    "splits the video without its cross-modal rotary table (cross_attn_rope), so CP meshes fail in the forward",
 }
 ASSEMBLED = assembled_model.AssembledTransformer2DModel.__name__
 RESULTS_ENV = "PRESHARD_ZOO_RESULTS"  # where to write the run's results for scripts/models_table.py

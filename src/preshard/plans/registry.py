@@ -4,6 +4,7 @@ model class declares itself (diffusers' `_tp_plan`)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -114,6 +115,12 @@ def choose_plan(plan: str | Path | Plan | None, config: dict[str, Any] | None, t
     if passed_over is None:
         return plan_from_model_class(class_name, config or {}, infer=auto)
     try:  # the built-in plan is made for another variant of the class: the next source decides, saying why
-        return plan_from_model_class(class_name, config or {}, passed_over=passed_over)
+        plan = plan_from_model_class(class_name, config or {}, passed_over=passed_over)
     except PlanError as exc:
         raise PlanError(f"{passed_over}, and no other plan fits: {exc}") from None
+    if plan.cp_plan and found is not None and found.config_requires and not plan.cp_config_requires:
+        # The class's _cp_plan is known to run only at the variant the built-in plan is made for (LTX-2's
+        # interleaved rope fails in the CP forward: its cross-modal table is not split), so CP is kept for that
+        # variant: a CP mesh is refused in one line, TP alone converts.
+        plan = replace(plan, cp_config_requires=dict(found.config_requires))
+    return plan
