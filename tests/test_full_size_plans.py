@@ -92,6 +92,6 @@ def test_a_text_encoders_row_is_the_per_degree_estimate(name, tmp_path):
 
 
 def test_a_refused_class_gets_its_reason_in_the_doc(tmp_path):
-    row = memory_table.measure(memory_table.default_model("Kandinsky5Transformer3DModel"), tmp_path / "row")
-    assert row.plan is None and "to_query" in row.refused and not row.per_rank
+    row = memory_table.measure(memory_table.default_model("SanaWMTransformer3DModel"), tmp_path / "row")
+    assert row.plan is None and "q_linear" in row.refused and not row.per_rank
     assert memory_table.table([row]).splitlines()[-1] in DOC

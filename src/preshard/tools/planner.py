@@ -200,6 +200,15 @@ def plan_meshes(
     degrees = valid_tp_degrees(base, resolve_plan(base, shapes, 1, config=config, check_divisible=False), config)
     if is_transformers_config(config):  # the heads decide, at each degree (KV heads split or computed whole)
         degrees = workable_degrees(config, degrees)
+    if inferred:  # and every degree whose own inferred plan resolves (a block kept whole where it does not divide)
+        from preshard.plans.hf_transformers import plans_by_degree
+
+        for tp, at_tp in plans_by_degree(config).items():
+            try:
+                resolve_plan(at_tp, shapes, tp, cast=cast, config=config)
+            except PlanError:
+                continue
+            degrees = sorted({*degrees, tp})
     memory = int(device_memory_gib * GIB) if device_memory_gib is not None else None
     heads = config.get("num_attention_heads")
     heads = heads if isinstance(heads, int) and not isinstance(heads, bool) else None
