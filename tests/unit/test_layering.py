@@ -30,7 +30,7 @@ RULES: dict[str, set[str]] = {
     "runtime": {"format", "plans", "runtime"},
     # A pre-sharded checkpoint on the Hub is fetched with the Hub helpers sources use (one file, public names);
     # the runtime never opens a source checkpoint.
-    "runtime/hub.py": {"format", "runtime", "sources/hub.py"},
+    "runtime/hub.py": {"format", "runtime", "sources/hub.py", "sources/hub_retry.py"},
     "tools/__init__.py": set(),
     # inspect and verify read through format/ (a Hub checkpoint's manifest, verify's --source through sources/);
     # neither imports the converter.

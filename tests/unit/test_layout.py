@@ -146,7 +146,12 @@ def test_a_style_on_a_tensor_that_is_not_a_linear_weight_or_bias_is_refused():
 
 
 def test_every_style_is_registered_once_with_its_dims():
-    assert set(STYLES) == {*STYLE_NAMES, "kv_head_select"}  # the last needs blocks and splits nothing: below
+    assert set(STYLES) == {
+        *STYLE_NAMES,
+        "kv_head_select",
+        "colwise_gather",
+        "vocab_parallel",
+    }  # the last needs blocks and splits nothing: below
     dims = {name: (cls().shard_dim("weight"), cls().shard_dim("bias")) for name, cls in STYLES.items()}
     assert dims == {
         "replicate": (None, None),
@@ -158,6 +163,8 @@ def test_every_style_is_registered_once_with_its_dims():
         "tp_rms_norm": (0, 0),
         "tp_layer_norm": (0, 0),
         "kv_head_select": (None, None),
+        "colwise_gather": (0, 0),
+        "vocab_parallel": (0, None),
     }
 
 

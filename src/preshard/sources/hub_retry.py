@@ -59,13 +59,17 @@ RESOLVE_URL = re.compile(r"/resolve/[^/]+/(.+)$")
 log = logging.getLogger("preshard.hub")
 
 
-class BodyCutShort(OSError):
-    """An answer whose body ended before the bytes asked for (transient: retried)."""
+class _BodyCutShort(OSError):
+    """An answer whose body ended before the bytes asked for: transient, retried here, never shown to a user as it
+    is (so not one of errors.py's classes)."""
 
     def __init__(self, wanted: int, got: int) -> None:
         super().__init__(f"the answer ended early: {got} of {wanted} bytes")
         self.wanted = wanted
         self.got = got
+
+
+BodyCutShort = _BodyCutShort
 
 
 def max_retries() -> int:
