@@ -146,14 +146,8 @@ def rule_styles(plan: Plan, modules: dict[str, nn.Module]) -> dict[str, Style]:
             continue  # keeps whatever it names whole: nothing to check
         for name in hits:
             module = modules[name]
-            if isinstance(rule.style, TPNorm):
+            if isinstance(rule.style, (TPNorm, VocabParallel)):  # styles of a norm or an embedding, not a Linear
                 why = rule.style.unsupported(module)
-                if why is not None:
-                    raise PlanError(
-                        f"{plan.origin}: rule {rule.match!r} gives {name} the {rule.style.name} style, but it {why}"
-                    )
-            elif rule.style.module_kind == "embedding":
-                why = VocabParallel.unsupported(module)
                 if why is not None:
                     raise PlanError(
                         f"{plan.origin}: rule {rule.match!r} gives {name} the {rule.style.name} style, but it {why}"

@@ -233,13 +233,12 @@ def localise(model: nn.Module, manifest: Manifest) -> dict[str, nn.Module]:
             continue
         module_name, _, leaf = name.rpartition(".")
         module = model.get_submodule(module_name)
-        if layout.style.module_kind == "norm":
-            style = layout.style
-            why = style.unsupported(module) if isinstance(style, TPNorm) else f"is not a norm {style.name} applies to"
-            if why is not None:
-                raise PlanError(f"the plan gives {module_name} the {layout.style.name} style, but it {why}")
-        elif layout.style.module_kind == "embedding":
-            why = VocabParallel.unsupported(module)
+        style = layout.style
+        if style.module_kind in ("norm", "embedding"):
+            if isinstance(style, (TPNorm, VocabParallel)):
+                why = style.unsupported(module)
+            else:
+                why = f"is not a {style.module_kind} {style.name} applies to"
             if why is not None:
                 raise PlanError(f"the plan gives {module_name} the {layout.style.name} style, but it {why}")
         elif not isinstance(module, nn.Linear):

@@ -200,6 +200,7 @@ def plan_meshes(
     degrees = valid_tp_degrees(base, resolve_plan(base, shapes, 1, config=config, check_divisible=False), config)
     if is_transformers_config(config):  # the heads decide, at each degree (KV heads split or computed whole)
         degrees = workable_degrees(config, degrees)
+    at_degree: dict[int, Plan] = {}  # the plan inferred at each degree (one meta build), as a conversion infers it
     if inferred:  # and every degree whose own inferred plan resolves (a block kept whole where it does not divide)
         from preshard.plans.hf_transformers import plans_by_degree
 
@@ -208,7 +209,8 @@ def plan_meshes(
                 resolve_plan(at_tp, shapes, tp, cast=cast, config=config)
             except PlanError:
                 continue
-            degrees = sorted({*degrees, tp})
+            at_degree[tp] = at_tp
+        degrees = sorted({*degrees, *at_degree})
     memory = int(device_memory_gib * GIB) if device_memory_gib is not None else None
     heads = config.get("num_attention_heads")
     heads = heads if isinstance(heads, int) and not isinstance(heads, bool) else None
@@ -222,7 +224,7 @@ def plan_meshes(
 
     meshes: list[MeshEstimate] = []
     for tp in [d for d in degrees if devices is None or d <= devices]:
-        at = choose_plan(plan, src.config, tp) if inferred and tp > 1 else chosen
+        at = chosen if not inferred or tp == 1 else at_degree.get(tp) or choose_plan(plan, src.config, tp)
         per_rank = rank_bytes(resolve_plan(at, shapes, tp, cast=cast, config=config), order, tp)
         if devices is not None and devices % tp == 0 and (no_cp is None or tp == devices):
             splits = [(ring, devices // tp // ring) for ring in _divisors(devices // tp)]
