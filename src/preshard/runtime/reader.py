@@ -5,9 +5,8 @@ bytes come in with positional reads, the framing into a small buffer and the byt
 parameter itself. The framing is compared with the one the manifest's dtype and shape imply, always: a
 manifest that disagrees with the files about a chunk's dtype, shape or position fails here by name instead
 of loading wrong weights. `verify=True` (load_sharded's default) also checks each chunk's xxh3_64: on the CPU each
-large chunk is read in 1 MiB pieces, each hashed while still in cache (`chunk_hashing`: on its hashing thread while
-the next piece is read, or by the reader when that thread is behind), on the staged path by the reader thread while
-the previous buffer is copied to the device.
+large chunk's pieces are hashed on `chunk_hashing`'s threads while the next pieces are read, on the staged path by
+the reader thread while the previous buffer is copied to the device.
 
 For an accelerator the bytes go through a small pool of reusable host buffers (pinned on CUDA): a reader
 thread fills the next buffer while the copy of the previous one to the device runs (asynchronously, on a
@@ -180,7 +179,7 @@ class ShardReader:
                 continue
             (direct if self._direct(*job) else staged).append(job)
         if self.verify and any(c.data_length >= INLINE_BYTES for c, _ in direct):
-            with ChunkHasher() as hasher:  # each large chunk's pieces hashed beside the read of the next ones
+            with ChunkHasher() as hasher:  # each large chunk hashed beside the read of the next pieces
                 for chunk, target in direct:
                     self._read_direct(chunk, target, hasher)
                 hasher.finish()
@@ -241,17 +240,17 @@ class ShardReader:
             self._check_framing(chunk, header)
             if self.verify:
                 self._check_digest(chunk, xxhash.xxh3_64_hexdigest(data))
-        else:  # in small pieces, each hashed while still in cache (chunk_hashing) as the next one is read
-            digest = hasher.begin()
+        else:  # in pieces, each hashed on the hasher's thread while the next one is read
+            key = hasher.begin()
             first = data[:PIECE_BYTES]
             pread_into(fd, chunk.offset, [header, first], where)
             self._check_framing(chunk, header)
-            hasher.update(digest, first)
+            hasher.update(key, first)
             for start in range(PIECE_BYTES, len(data), PIECE_BYTES):
                 piece = data[start : start + PIECE_BYTES]
                 pread_into(fd, chunk.data_offset + start, [piece], where)
-                hasher.update(digest, piece)
-            hasher.end(digest, lambda hexdigest, chunk=chunk: self._check_digest(chunk, hexdigest))
+                hasher.update(key, piece)
+            hasher.end(key, lambda digest, chunk=chunk: self._check_digest(chunk, digest))
         self._count(chunk)
 
     def _read_empty(self, chunk: ChunkRecord) -> None:
