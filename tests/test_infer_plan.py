@@ -157,3 +157,67 @@ def test_kandinsky_attention_by_its_own_names_with_the_head_width_from_its_query
     assert {styles[f"{attention}.{p}"] for p in ("to_query", "to_key", "to_value")} == {"colwise"}
     assert styles[f"{attention}.out_layer"] == "rowwise"
     assert f"{attention}.query_norm" not in styles  # over one head (8 of 32 features): whole
+
+
+def _zoo_on_meta(key: str) -> nn.Module:
+    import diffusers
+    from tiny_zoo import config
+
+    from preshard.plans.from_model import build_on_meta
+
+    settings = config(key)
+    init = {k: v for k, v in settings.items() if not k.startswith("_")}
+    return build_on_meta(getattr(diffusers, settings["_class_name"]), init)
+
+
+@pytest.mark.quick
+def test_moe_experts_stored_as_parameters_are_split_by_whole_experts_and_the_router_stays_whole():
+    plan = infer_plan(_zoo_on_meta("NucleusMoEImageTransformer2DModel#2"))
+    styles = _styles(plan)
+    assert styles["transformer_blocks.*.img_mlp.experts"] == "split_experts"  # SwiGLUExperts: [E, in, 2I], [E, I, out]
+    assert styles["transformer_blocks.*.img_mlp.shared_expert.net.*.proj"] == "packed_colwise"
+    assert styles["transformer_blocks.*.img_mlp.shared_expert.net.2"] == "rowwise"
+    assert not any("img_mlp.gate" in match for match in styles)  # the router: whole, every rank routes alike
+
+
+@pytest.mark.quick
+def test_split_experts_keeps_whole_experts_per_rank_and_refuses_what_is_not_an_experts_module():
+    from preshard.format.layout import TensorLayout
+    from preshard.format.styles import SplitExperts, make_style
+
+    style = make_style("split_experts")
+    layout = TensorLayout.make("m.experts.gate_up_proj", style, (4, 64, 16), torch.float32, torch.float32)
+    assert layout.boxes(2, 1) == [((2, 0, 0), (2, 64, 16))]  # experts 2 and 3, every feature of them
+    assert layout.local_shape(2) == (2, 64, 16)
+    with pytest.raises(PlanError, match=r"split_experts names m\.weight of shape \[8, 4\], which is not an experts"):
+        TensorLayout.make("m.weight", style, (8, 4), torch.float32, torch.float32)
+    assert "knows diffusers' SwiGLUExperts" in str(SplitExperts.unsupported(nn.Linear(4, 4)))
+
+
+@pytest.mark.quick
+def test_a_two_layer_mlp_that_fits_both_ways_round_takes_the_reading_that_maps_back_to_its_input():
+    styles = _styles(infer_plan(_zoo_on_meta("Flux3Transformer2DModel")))  # linear_in [2h, d], linear_out [d, h]
+    assert styles["single_transformer_blocks.*.ff.linear_in"] == "packed_colwise"
+    assert styles["single_transformer_blocks.*.ff.linear_out"] == "rowwise"
+
+    class Mlp(nn.Module):  # d -> d -> d: both readings map back to the input; nothing tells them apart
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(32, 32), nn.Linear(32, 32)
+
+    model = _meta_assembled()
+    with torch.device("meta"):
+        model.blocks[0].mlp = Mlp()
+    assert not any(".mlp." in match for match in _styles(infer_plan(model)))  # left whole
+
+
+@pytest.mark.quick
+def test_an_mlp_of_the_block_s_own_linears_and_mochi_s_attention_and_per_head_rotary_tables():
+    styles = _styles(infer_plan(_zoo_on_meta("MiniMaxMusic3Transformer1DModel")))
+    assert styles["transformer_blocks.*.ff_in"] == "packed_colwise"  # [hidden; gate], chunk(2) in the block
+    assert styles["transformer_blocks.*.ff_out"] == "rowwise"
+    plan = infer_plan(_zoo_on_meta("MochiTransformer3DModel"))  # MochiAttention calls its processor, cannot swap it
+    styles = _styles(plan)
+    assert styles["transformer_blocks.*.attn1.to_q"] == styles["transformer_blocks.*.attn1.add_q_proj"] == "colwise"
+    assert styles["transformer_blocks.*.attn1.to_out.0"] == "rowwise"
+    assert {i: (s.dim, s.expected_dims) for i, s in plan.tp_split_outputs["rope"].items()} == {0: (1, 3), 1: (1, 3)}

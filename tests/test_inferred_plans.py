@@ -4,8 +4,10 @@ is refused in one line naming the module; each converted one, loaded on 2 gloo r
 model's function within 1e-5 (fp32), and at tp2 x ulysses2 / tp2 x ring2 where its plan has CP. One set of ranks
 runs every class in turn (converted once, in the parent); the results are written for scripts/models_table.py.
 
-Negative control: a class assembled here from diffusers' blocks (no diffusers class, no plan) converts and
-matches; without the all-reduce of its row-split layers its output is wrong.
+Negative controls: a class assembled here from diffusers' blocks (no diffusers class, no plan) converts and
+matches; without the all-reduce of its row-split layers its output is wrong. NucleusMoE with its experts enabled
+(`split_experts`, each rank computing its own experts' rows) matches, and without the all-reduce of the experts'
+rows its output is wrong.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ def _rank_all(rank: int, world: int, cases: list[tuple[str, str, int, int]]) -> 
     from tiny_zoo import build
 
     from preshard.runtime.load import load_sharded
-    from preshard.runtime.tp import ParallelLinear
+    from preshard.runtime.tp import ParallelExperts, ParallelLinear
 
     init_gloo()
     warnings.filterwarnings("ignore")
@@ -80,6 +82,15 @@ def _rank_all(rank: int, world: int, cases: list[tuple[str, str, int, int]]) -> 
         except Exception as exc:  # noqa: BLE001 - reported to the parent test
             results[f"{key}|u{ulysses}r{ring}"] = {"rel": None, "error": f"{type(exc).__name__}: {exc}"[:300]}
             continue
+        experts = [m for m in net.modules() if isinstance(m, ParallelExperts)]
+        if experts and ulysses == ring == 1:  # negative control: the experts' rows without their all-reduce
+            for m in experts:
+                m.tp_group = None
+            with torch.no_grad():
+                results[f"no-reduce-experts:{key}"] = {
+                    "rel": _rel(_outputs(net(**inputs)), reference),
+                    "layers": len(experts),
+                }
         if key == ASSEMBLED:  # negative control: the row-split layers without their all-reduce
             rowwise = [m for m in net.modules() if isinstance(m, ParallelLinear)]
             for m in rowwise:
@@ -152,3 +163,14 @@ def test_a_class_assembled_from_diffusers_blocks_converts_with_no_change_and_mat
     assert result["error"] is None and result["rel"] <= TOL, result
     control = zoo_run["results"]["no-reduce"]  # without the all-reduce: wrong, so the match above is the TP's
     assert control["layers"] >= 10 and control["rel"] > 1e-2, control
+
+
+def test_moe_experts_split_by_rank_match_and_are_wrong_without_their_reduce(zoo_run):
+    key = "NucleusMoEImageTransformer2DModel#2"
+    assert zoo_run["plans"][key]["name"] == "inferred-NucleusMoEImageTransformer2DModel"
+    result = zoo_run["results"][f"{key}|u1r1"]
+    assert result["error"] is None and result["rel"] <= TOL, result
+    control = zoo_run["results"][
+        f"no-reduce-experts:{key}"
+    ]  # each rank's experts alone: wrong, so the match is the split's
+    assert control["layers"] == 1 and control["rel"] > 1e-2, control

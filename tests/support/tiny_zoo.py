@@ -5,7 +5,9 @@ for classes diffusers' tests give none that runs on CPU (every other tiny_zoo_*.
 `build(key, seed)` gives the model (seeded weights, float32, eval mode) and its forward inputs; a float tensor the
 JSON keeps by shape only is drawn from a generator seeded by `seed`, the same on every rank. An entry with
 `"redraw_zeros": true` has every all-zero parameter drawn again (after the seeded init, so the same on every rank):
-a zero-initialised modulation would gate the attention off and let any sharding of it pass. `{"object":
+a zero-initialised modulation would gate the attention off and let any sharding of it pass. `"redraw": [PART, ...]`
+draws every parameter whose name holds a PART from N(0, 1/in) (`[..., in, out]`), for parameters the class leaves
+uninitialised (`torch.empty`: NucleusMoE's experts), which would differ from process to process. `{"object":
 "diffusers.x.y.Class", "args": [...]}` is an instance of that diffusers class (Wan-Animate 2's KV cache).
 """
 
@@ -77,6 +79,12 @@ def build_entry(entry: dict[str, Any], seed: int = 0) -> tuple[torch.nn.Module, 
             for param in model.parameters():
                 if not param.any():
                     param.normal_(0.0, 0.5)
+    redraw = tuple(entry.get("redraw", ()))
+    if redraw:  # parameters the class leaves uninitialised (torch.empty: NucleusMoE's experts)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if any(part in name for part in redraw):
+                    param.normal_(0.0, param.shape[-2] ** -0.5)  # [..., in, out]: as a Linear of `in` inputs
     gen = torch.Generator().manual_seed(seed + 1)
     inputs = {k: _decode(v, gen) for k, v in entry["inputs"]["dict"].items()}
     return model, inputs

@@ -151,7 +151,8 @@ def test_every_style_is_registered_once_with_its_dims():
         "kv_head_select",
         "colwise_gather",
         "vocab_parallel",
-    }  # the last needs blocks and splits nothing: below
+        "split_experts",
+    }
     dims = {name: (cls().shard_dim("weight"), cls().shard_dim("bias")) for name, cls in STYLES.items()}
     assert dims == {
         "replicate": (None, None),
@@ -165,7 +166,28 @@ def test_every_style_is_registered_once_with_its_dims():
         "kv_head_select": (None, None),
         "colwise_gather": (0, 0),
         "vocab_parallel": (0, None),
+        "split_experts": (0, 0),  # every parameter of an experts module by its experts (dim 0)
     }
+
+
+@pytest.mark.parametrize("band_bytes", [64, 1 << 20])
+def test_split_experts_slices_each_rank_s_whole_experts_in_any_number_of_bands(band_bytes):
+    source = torch.randn(4, 3, 5)  # [experts, in, out]
+    layout = TensorLayout.make(
+        "m.experts.down_proj", make_style("split_experts"), (4, 3, 5), torch.float32, torch.float32
+    )
+    chunks = place_records([layout], 2).chunks["m.experts.down_proj"]
+    flat = source.reshape(-1).view(torch.uint8)
+    row = flat.numel() // 4
+
+    def read_rows(start, count, out):
+        out[:] = flat[start * row : (start + count) * row].numpy()
+
+    got = {c.owner: b"" for c in chunks}
+    for pieces in tensor_pieces(layout, chunks, read_rows, BufferPool(), band_bytes=band_bytes):
+        for p in pieces:
+            got[p.chunk.owner] += p.data.tobytes()
+    assert got == {0: raw_bytes(source[:2]), 1: raw_bytes(source[2:])}  # experts 0-1 on rank 0, 2-3 on rank 1
 
 
 def test_kv_head_select_is_stored_once_and_each_rank_computes_the_kv_head_its_query_heads_share():

@@ -67,13 +67,19 @@ class TensorLayout:
         """Derive the shard dim and blocks of `name` under `style` (dtypes: `DType`s or torch's).
 
         Raises:
-            PlanError: the style names a tensor that is not a Linear weight `[out, in]` or bias `[out]`.
+            PlanError: the style names a tensor that is not what it cuts: a Linear weight `[out, in]` or bias
+                `[out]` (a norm's, an embedding's or an experts module's tensors for those styles).
         """
         shape, dtype, source_dtype = tuple(shape), as_dtype(dtype), as_dtype(source_dtype)
         if style.name == REPLICATE.name:
             return cls(name, style, None, None, shape, dtype, source_dtype)
         param = layout_role(name, shape)
-        if param not in ("weight", "bias") or len(shape) != (style.weight_ndim() if param == "weight" else 1):
+        if len(shape) != style.param_ndim(param):
+            if style.module_kind == "experts":
+                raise PlanError(
+                    f"{style.name} names {name} of shape {list(shape)}, which is not an experts parameter "
+                    "[experts, ...] (3-D); point the rule at modules of expert weights only"
+                )
             if style.module_kind == "norm":
                 raise PlanError(
                     f"{style.name} names {name} of shape {list(shape)}, which is not a norm weight or bias "

@@ -125,3 +125,27 @@ def tp_layer_norm_forward(norm, x: torch.Tensor, tp_rank: int, tp: int, all_redu
     if norm.bias is not None:
         out = out + norm.bias.to(out.dtype)
     return out.to(x.dtype)
+
+
+def split_experts_forward(
+    experts,
+    local_forward: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    tp_rank: int,
+    tp: int,
+    all_reduce,
+) -> torch.Tensor:
+    """The experts this rank holds (`split_experts`: `[r*E/T, (r+1)*E/T)`) on their own rows of `x` (sorted by expert,
+    `tokens_per_expert` rows each, any padding after them), through the module's own forward (`local_forward`) with
+    this rank's parameters; zeros in every other row, all-reduced: each row comes from the one rank holding its
+    expert. The row counts are read on the host (one sync, as the module's own per-expert loop does).
+    """
+    local = tokens_per_expert.shape[0] // tp
+    counts = tokens_per_expert.tolist()
+    start = sum(counts[: tp_rank * local])
+    stop = start + sum(counts[tp_rank * local : (tp_rank + 1) * local])
+    mine = local_forward(x[start:stop], tokens_per_expert[tp_rank * local : (tp_rank + 1) * local])
+    out = mine.new_zeros((x.shape[0], *mine.shape[1:]))
+    out[start:stop] = mine
+    return all_reduce(out)

@@ -27,6 +27,10 @@ V (the plan is refused otherwise, naming the degrees that do; inference keeps su
 `tp_layer_norm` is the same for a LayerNorm (LuminaNext's `layer_norm_across_heads`): the row's sum is all-reduced
 for its mean, then the sum of squared deviations from it for its variance (two small all-reduces rather than one
 of sum and sum of squares, whose difference would cancel), and the weight and bias are split like the features.
+
+`split_experts` applies to a module of mixture-of-experts parameters `[experts, ...]` (NucleusMoE's): whole
+experts per rank, their rows of the output computed there and all-reduced (zeros elsewhere), exact like
+`vocab_parallel`.
 """
 
 from __future__ import annotations
@@ -49,8 +53,8 @@ class Style:
     bias_dim: ClassVar[int | None] = None
     packed: ClassVar[bool] = False
     reduces_output: ClassVar[bool] = False
-    # What the style applies to: "linear" (weight [out, in], bias [out]), "norm" (weight and bias [features]) or
-    # "embedding" (an nn.Embedding's weight [vocab, dim]).
+    # What the style applies to: "linear" (weight [out, in], bias [out]), "norm" (weight and bias [features]),
+    # "embedding" (an nn.Embedding's weight [vocab, dim]) or "experts" (a module of parameters [experts, ...]).
     module_kind: ClassVar[str] = "linear"
     # The TP group's collective the rewired forward combines the ranks' results with: "all_reduce" (sum) or
     # "all_gather" (concatenated along the last dim).
@@ -80,6 +84,10 @@ class Style:
         """How many dims the module's weight has: 2 for a Linear `[out, in]` or an Embedding `[vocab, dim]`, 1 for a
         norm `[features]`."""
         return 1 if self.module_kind == "norm" else 2
+
+    def param_ndim(self, param: str) -> int | None:
+        """How many dims the module's parameter `param` has under this style (None: a parameter it does not cut)."""
+        return {"weight": self.weight_ndim(), "bias": 1}.get(param)
 
     def parallel_forward(self) -> Callable[..., Any] | None:
         """`forward(module, x, tp_rank, tp, combine)` for a rewired module, `combine` the TP group's `collective`;
@@ -302,6 +310,49 @@ class VocabParallel(Style):
         return None
 
 
+@dataclass(frozen=True)
+class SplitExperts(Style):
+    """A module of mixture-of-experts weights stored as parameters `[experts, ...]` (NucleusMoE's `SwiGLUExperts`:
+    `gate_up_proj [E, in, 2I]`, `down_proj [E, I, out]`), split by whole experts: rank r keeps experts
+    `[r*E/T, (r+1)*E/T)` of every parameter (dim 0). Its forward runs the module's own forward on the rows of its
+    experts only (the module takes its tokens sorted by expert, with the count of each), zeros in every other row,
+    and all-reduces: each row comes from the one rank holding its expert, so the sum is the unsharded output bit
+    for bit (as `vocab_parallel`). Every TP rank holds every token (the router runs replicated), so no token moves.
+    """
+
+    name: ClassVar[str] = "split_experts"
+    module_kind: ClassVar[str] = "experts"
+    reduces_output: ClassVar[bool] = True
+    # (module, class name) of the experts classes whose forward takes (tokens sorted by expert, tokens per expert)
+    # and computes each expert's rows from its own slice of every parameter: exactly these.
+    classes: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("diffusers.models.transformers.transformer_nucleusmoe_image", "SwiGLUExperts"),
+    )
+
+    def shard_dim(self, param: str) -> int | None:
+        return 0
+
+    def param_ndim(self, param: str) -> int | None:
+        return 3
+
+    def parallel_forward(self) -> Callable[..., Any]:
+        from preshard.format.style_forwards import split_experts_forward
+
+        return split_experts_forward
+
+    @classmethod
+    def unsupported(cls, module: Any) -> str | None:
+        """Why `module` cannot take this style (None: it can): a class whose forward it knows, whose parameters are
+        all 3-D with the same number of experts first."""
+        kind = type(module)
+        if (kind.__module__, kind.__name__) not in cls.classes:
+            return f"is a {kind.__name__}, and {cls.name} knows diffusers' SwiGLUExperts (NucleusMoE) only"
+        shapes = [tuple(p.shape) for p in module.parameters(recurse=False)]
+        if not shapes or len({len(s) for s in shapes} | {3}) != 1 or len({s[0] for s in shapes}) != 1:
+            return f"has parameters of shapes {[list(s) for s in shapes]}, not all [experts, ...] of one expert count"
+        return None
+
+
 _ALL_STYLES: tuple[type[Style], ...] = (
     Style,
     Colwise,
@@ -313,6 +364,7 @@ _ALL_STYLES: tuple[type[Style], ...] = (
     KVHeadSelect,
     ColwiseGather,
     VocabParallel,
+    SplitExperts,
 )
 STYLES: dict[str, type[Style]] = {cls.name: cls for cls in _ALL_STYLES}
 REPLICATE = Style()

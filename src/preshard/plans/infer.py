@@ -9,18 +9,25 @@ runs replicated, unchanged and correct:
   attention's input stays whole, one across all heads of a column-split projection takes `tp_rms_norm` or
   `tp_layer_norm`;
 - feed-forwards: diffusers' `FeedForward` (GELU, GEGLU, SwiGLU, ...; a packed `[hidden; gate]` projection as two
-  packed blocks) and MLP modules of two or three Linear layers (up/gate colwise, down rowwise);
+  packed blocks), MLP modules of two or three Linear layers (up/gate colwise, down rowwise; where the shapes read
+  both ways round, the reading that maps back to the input's width, else whole) and a block's own `ff_in`/`ff_out`
+  pair (MiniMax-Music-3's);
 - single-stream blocks whose attention has no output projection and whose `proj_out` takes `cat([attn, mlp])`:
   `proj_out` packed rowwise with the attention's and the MLP's widths;
-- rotary tables that span every head at once (LTX-Video's): each rank slices its part (`tp_split_outputs`);
+- rotary tables that span every head at once (LTX-Video's, Mochi's per-head ones): each rank slices its part
+  (`tp_split_outputs`);
 - AdaLN modulation projections, split along their (replicated) input with `replicated_input_rowwise`, only where
   together they are more than a tenth of the parameters (else the all-reduce costs more than the memory saved).
 
-Mixture-of-experts layers whose experts are feed-forward modules get each expert split by TP like any
-feed-forward (every rank routes the same tokens, so no all-to-all and no load imbalance between ranks); expert
-parallelism would place whole experts on ranks and need a token exchange the runtime does not have. Everything
-else is replicated. What inference cannot place correctly (a Linear, a parameter or a norm inside an attention
-module that it does not recognise) is refused naming the module and why: no guess. CP comes only from the
+Mixture-of-experts layers: experts that are feed-forward modules (HiDream's) get each expert split by TP like any
+feed-forward; experts stored as parameters `[experts, ...]` (NucleusMoE's `SwiGLUExperts`) are split by whole
+experts (`split_experts`: rank r holds experts `[r*E/T, (r+1)*E/T)`, computes their rows and all-reduces). Either
+way the router stays whole and every TP rank holds every token and routes it alike, so no token moves between ranks
+(the all-to-all of expert parallelism exists to move tokens that are split across ranks, which TP's are not).
+Whole experts rather than each expert split: the output's rows each come from one rank (exact), expert-choice
+routing balances the ranks, and the converter cuts tensors along dim 0 (docs/design.md says more). Everything else
+is replicated. What inference cannot place correctly (a Linear, a parameter or a norm inside an attention module
+that it does not recognise) is refused naming the module and why: no guess. CP comes only from the
 class's own `_cp_plan` (inferring where to split the sequence is not done).
 """
 
@@ -40,6 +47,7 @@ from preshard.format.styles import (
     PackedRowwise,
     ReplicatedInputRowwise,
     Rowwise,
+    SplitExperts,
     Style,
     tp_norm_style,
 )
@@ -98,7 +106,11 @@ def infer_plan(model: nn.Module, config: dict[str, Any] | None = None) -> Plan:
     inside = tuple(f"{name}." for name in attention)
     for name, module in modules.items():
         if name and not name.startswith(inside) and name not in styles:
+            if SplitExperts.unsupported(module) is None:
+                styles[name] = SplitExperts()
+                continue
             _feed_forward(name, module, styles)
+            _block_mlp(name, module, styles)
     _adaln(model, modules, styles)
     split_outputs = _rotary_across_heads(modules, styles, attention, inside)
     if not any(style.name != "replicate" for style in styles.values()):
@@ -317,7 +329,9 @@ def _single_stream(
 
 
 def _feed_forward(name: str, module: nn.Module, styles: dict[str, Style]) -> None:
-    """diffusers' FeedForward (`net`: activation with `proj`, ..., Linear) or an MLP of 2-3 Linear children."""
+    """diffusers' FeedForward (`net`: activation with `proj`, ..., Linear) or an MLP of 2-3 Linear children. Where
+    the shapes read both ways round (which Linear is the down projection), the one reading whose down gives back
+    the width the ups take is kept (an MLP from d features to d); else it is left whole."""
     net = getattr(module, "net", None)
     first = net[0] if isinstance(net, nn.ModuleList) and len(net) >= 2 else None
     up = getattr(first, "proj", None)
@@ -340,16 +354,45 @@ def _feed_forward(name: str, module: nn.Module, styles: dict[str, Style]) -> Non
     heavy = [n for n, m in children if n not in linears and _has_params(m)]
     if len(linears) not in (2, 3) or heavy or any(True for _ in module.parameters(recurse=False)):
         return
-    placed: dict[str, Style] | None = None
+    readings: list[tuple[str, dict[str, Style]]] = []
     for down_name, down in linears.items():
         ups = {n: _up_style(m, down) for n, m in linears.items() if n != down_name}
         inputs = {m.weight.shape[1] for n, m in linears.items() if n != down_name}
         if all(s is not None for s in ups.values()) and len(inputs) == 1:
-            if placed is not None:
-                return  # two readings: leave it whole
             placed = {n: s for n, s in ups.items() if s is not None} | {down_name: Rowwise()}
-    for child, style in (placed or {}).items():
-        styles[f"{name}.{child}"] = style
+            readings.append((down_name, placed))
+    if len(readings) > 1:  # the shapes fit both ways round (Flux3's `linear_in [2h, d]`, `linear_out [d, h]`)
+        readings = [(d, p) for d, p in readings if _gives_back_input(d, linears)]
+    if len(readings) == 1:  # else two readings (a square MLP: only its forward tells) or none: left whole
+        for child, style in readings[0][1].items():
+            styles[f"{name}.{child}"] = style
+
+
+def _gives_back_input(down_name: str, linears: dict[str, nn.Linear]) -> bool:
+    """Whether down `down_name` gives back the width the up projections take (an MLP from d features to d)."""
+    inputs = {m.in_features for n, m in linears.items() if n != down_name}
+    return inputs == {linears[down_name].out_features}
+
+
+_BLOCK_UP = re.compile(r"^(ff|ffn|mlp)_(in|up)$")
+
+
+def _block_mlp(name: str, module: nn.Module, styles: dict[str, Style]) -> None:
+    """An MLP whose two Linear layers are children of the block itself (MiniMax-Music-3's `ff_in [2h, d]`,
+    `ff_out [d, h]`), named `ff_in`/`ff_out` (`ffn_`, `mlp_`; `_up`/`_down`): up colwise (packed `[hidden; gate]` as
+    two blocks), down rowwise, where the shapes chain."""
+    for child, up in module.named_children():
+        match = _BLOCK_UP.match(child)
+        if match is None or not isinstance(up, nn.Linear):
+            continue
+        down_name = f"{match[1]}_{'out' if match[2] == 'in' else 'down'}"
+        down = getattr(module, down_name, None)
+        up_full, down_full = f"{name}.{child}", f"{name}.{down_name}"
+        if not isinstance(down, nn.Linear) or up_full in styles or down_full in styles:
+            continue
+        style = _up_style(up, down)
+        if style is not None:
+            styles[up_full], styles[down_full] = style, Rowwise()
 
 
 def _up_style(up: nn.Linear, down: nn.Linear) -> Style | None:
@@ -380,13 +423,19 @@ def _rotary_across_heads(
 ) -> dict[str, dict[int, SeqDim]]:
     """Rotary modules outside attention whose (cos, sin) tables span every head at once (`dim` as wide as a
     column-split query, LTX-Video's): each rank slices its part of the last dim, as the queries it rotates; or of
-    the heads dim, for tables already per head (LTX-2's `rope_type="split"`, [B, heads, S, D/2])."""
+    the heads dim, for tables already per head (LTX-2's `rope_type="split"`, [B, heads, S, D/2]; Mochi's
+    [S, heads, D/2], from the model's per-head frequencies `[3, heads, head_dim / 2]` the rope module is given)."""
     head_dims = {_head_dim(modules[name]) for name in attention}
     widths = set()
     for name, style in styles.items():
         linear = modules[name]
         if name.startswith(inside) and style.name == "colwise" and isinstance(linear, nn.Linear):
             widths.add(linear.out_features)
+    head_counts = {_int_attr(modules[name], "heads") for name in attention} - {None, 1}
+    per_head = any(  # Mochi's `pos_frequencies [3, heads, head_dim / 2]`, which its rope module turns into tables
+        p.dim() == 3 and p.shape[1] in head_counts and 2 * p.shape[2] in head_dims
+        for p in modules[""].parameters(recurse=False)
+    )
     found: dict[str, dict[int, SeqDim]] = {}
     for name, module in modules.items():
         if not name or name.startswith(inside) or not re.search(r"rotary|rope", type(module).__name__, re.I):
@@ -396,6 +445,8 @@ def _rotary_across_heads(
         if dim in widths and (dim not in head_dims if heads is None else heads > 1):
             split = getattr(module, "rope_type", None) == "split"  # LTX-2's per-head tables [B, H, S, D/2]
             found[name] = {i: SeqDim(1, 4) if split else SeqDim(-1) for i in (0, 1)}
+        elif dim is None and per_head and not _has_params(module):  # tables [S, heads, D/2] from the model's
+            found[name] = {i: SeqDim(1, 3) for i in (0, 1)}
     return found
 
 

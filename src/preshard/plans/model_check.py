@@ -23,14 +23,17 @@ from torch import nn
 
 from preshard.errors import PlanError
 from preshard.format.plan import AttentionRule, Plan, matches
-from preshard.format.styles import Colwise, Style, TPNorm, VocabParallel, tp_norm_style
+from preshard.format.styles import Colwise, SplitExperts, Style, TPNorm, VocabParallel, tp_norm_style
 
 _NORM_TYPES = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)
 
 
 def is_attention(module: nn.Module) -> bool:
-    """diffusers' attention modules: they carry a processor and can swap it."""
-    return hasattr(module, "processor") and callable(getattr(module, "set_processor", None))
+    """diffusers' attention modules: they carry a processor and can swap it, or call it (Mochi's `MochiAttention`,
+    whose processor is fixed)."""
+    if not hasattr(module, "processor"):
+        return False
+    return callable(getattr(module, "set_processor", None)) or callable(module.processor)
 
 
 def norm_size(module: nn.Module) -> int | None:
@@ -133,8 +136,8 @@ def rule_styles(plan: Plan, modules: dict[str, nn.Module]) -> dict[str, Style]:
 
     Raises:
         PlanError: a rule that matches no module (unless optional), a Linear rule on something else, a
-            `vocab_parallel` rule on a module it does not support, a TP norm rule on a norm it does not
-            support or whose features no column-split projection beside it produces.
+            `vocab_parallel` or `split_experts` rule on a module it does not support, a TP norm rule on a norm it
+            does not support or whose features no column-split projection beside it produces.
     """
     cls = type(next(iter(modules.values()))).__name__
     styles: dict[str, Style] = {}
@@ -146,7 +149,7 @@ def rule_styles(plan: Plan, modules: dict[str, nn.Module]) -> dict[str, Style]:
             continue  # keeps whatever it names whole: nothing to check
         for name in hits:
             module = modules[name]
-            if isinstance(rule.style, (TPNorm, VocabParallel)):  # styles of a norm or an embedding, not a Linear
+            if isinstance(rule.style, (TPNorm, VocabParallel, SplitExperts)):  # of a norm, embedding, experts module
                 why = rule.style.unsupported(module)
                 if why is not None:
                     raise PlanError(

@@ -28,7 +28,7 @@ from preshard.format.folder import CheckpointFolder
 from preshard.format.jsonio import parse_json_text
 from preshard.format.manifest import Manifest
 from preshard.format.plan import matches
-from preshard.format.styles import TPNorm, VocabParallel
+from preshard.format.styles import SplitExperts, TPNorm, VocabParallel
 from preshard.plans.model_class import is_transformers_config
 from preshard.units import plural
 
@@ -219,7 +219,8 @@ def localise(model: nn.Module, manifest: Manifest) -> dict[str, nn.Module]:
     allocated.
 
     Returns:
-        The sharded modules by name (Linear layers, embeddings split by vocabulary, and norms with a weight).
+        The sharded modules by name (Linear layers, embeddings split by vocabulary, experts modules, and norms
+        with a weight).
 
     Raises:
         PlanError: the plan splits a tensor of a module that is not an nn.Linear (or, for a norm style, a
@@ -234,8 +235,10 @@ def localise(model: nn.Module, manifest: Manifest) -> dict[str, nn.Module]:
         module_name, _, leaf = name.rpartition(".")
         module = model.get_submodule(module_name)
         style = layout.style
-        if style.module_kind in ("norm", "embedding"):
-            if isinstance(style, (TPNorm, VocabParallel)):
+        if module_name in modules:  # checked at its first tensor
+            pass
+        elif style.module_kind in ("norm", "embedding", "experts"):
+            if isinstance(style, (TPNorm, VocabParallel, SplitExperts)):
                 why = style.unsupported(module)
             else:
                 why = f"is not a {style.module_kind} {style.name} applies to"

@@ -10,12 +10,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from preshard.errors import MismatchError, PreshardError, UsageError
+from preshard.errors import MismatchError, PlanError, PreshardError, UsageError
 from preshard.format.dtypes import DType, parse_cast
 from preshard.format.locate import local_path
 from preshard.format.manifest import MANIFEST_NAME, Manifest
 from preshard.format.mesh import MeshSpec, resolve_mesh
 from preshard.format.quant import is_companion
+from preshard.format.styles import Style
 from preshard.process import one_line_errors_under_torchrun
 from preshard.runtime import collectives, quant
 from preshard.runtime.agreement import agree_on_checkpoint, agree_on_outcome
@@ -43,6 +44,7 @@ from preshard.runtime.surface import attach_model_surface
 from preshard.runtime.tp import (
     ParallelEmbedding,
     ParallelLinear,
+    parallelize_experts,
     parallelize_linear,
     parallelize_module,
     parallelize_norms,
@@ -260,10 +262,11 @@ def _load_held(
         report.buffers_placed = place_unloaded_buffers(net, manifest, rank_device.device)
     check_placement(net, rank_device.device)
     # Norms are parallelised below, with the ones that have no weight; LoRA adapters only ever target linears.
+    experts = {name: _experts_style(manifest, name) for name in sharded if f"{name}.weight" not in manifest.tensors}
     linears = {
         name: module
         for name, module in sharded.items()
-        if manifest.tensors[f"{name}.weight"].layout.style.module_kind == "linear"
+        if name not in experts and manifest.tensors[f"{name}.weight"].layout.style.module_kind == "linear"
     }
     changes = ModelChanges.of(net)  # the record of every change below, each with its undo
     for module_name, module in linears.items():
@@ -271,6 +274,11 @@ def _load_held(
         description = parallelize_linear(module, style, groups.tp, tp_rank, manifest.tp, changes, module_name)
         if description is not None:
             report.add_hook(module_name, description)
+    for module_name, style in experts.items():
+        description = parallelize_experts(
+            sharded[module_name], style, groups.tp, tp_rank, manifest.tp, changes, module_name
+        )
+        report.add_hook(module_name, description)
     embeddings = {  # split by vocabulary, and the modules tied to a split tensor (a tied lm_head)
         **{n: manifest.tensors[f"{n}.weight"].layout.style for n, m in sharded.items() if isinstance(m, nn.Embedding)},
         **tied,
@@ -303,6 +311,18 @@ def _load_held(
     report.changes = changes
     changes.set_attribute(net, "", REPORT_ATTRIBUTE, report)
     return net
+
+
+def _experts_style(manifest: Manifest, module: str) -> Style:
+    """The style of a sharded module without a `weight`: an experts module's (`split_experts`), by its parameters."""
+    prefix = f"{module}."
+    own = [r for n, r in manifest.tensors.items() if n.startswith(prefix) and "." not in n[len(prefix) :]]
+    styles = {r.layout.style for r in own}
+    kinds = [style for style in styles if style.module_kind == "experts"]
+    if len(kinds) != 1 or len(styles) != 1:
+        names = sorted(style.name for style in styles)
+        raise PlanError(f"the plan splits {module}, which has no weight, with {names}; only split_experts splits that")
+    return kinds[0]
 
 
 def _run_mesh(manifest: Manifest, rank_device: RankDevice, mesh, cp, ring, ulysses, order) -> MeshSpec:

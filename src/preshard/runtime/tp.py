@@ -10,7 +10,8 @@ features (colwise, packed colwise) need nothing. A norm across the heads of a co
 (`tp_rms_norm`, `tp_layer_norm`) is switched the same way, to a subclass of its own class; everything its
 forward reads (group, rank, full width) is set on the module once, so torch.compile traces it with no graph
 break. An embedding split by vocabulary (`vocab_parallel`) is switched likewise, and an lm_head over that
-vocabulary (`colwise_gather`) all-gathers its logits rather than all-reducing them.
+vocabulary (`colwise_gather`) all-gathers its logits rather than all-reducing them. A module of expert weights
+split by whole experts (`split_experts`) is switched likewise, its forward calling its own class's on its experts.
 """
 
 from __future__ import annotations
@@ -150,6 +151,56 @@ def parallelize_module(
     if style.module_kind == "embedding":
         return parallelize_embedding(module, style, group, tp_rank, tp, changes, where)  # type: ignore[arg-type]
     return parallelize_linear(module, style, group, tp_rank, tp, changes, where)  # type: ignore[arg-type]
+
+
+class ParallelExperts(nn.Module):
+    """Mixin put in front of an experts module's own class (`split_experts`): its forward runs the class's own on this
+    rank's experts and all-reduces the rows (the style's forward says how); `isinstance(m, cls)` still holds."""
+
+    preshard_style: Style
+    preshard_forward: Callable[..., torch.Tensor]
+    tp_group: ProcessGroup | None
+    tp_rank: int
+    tp_size: int
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        local = super().forward  # the experts class's own forward, on this rank's parameters
+        return self.preshard_forward(self, local, x, tokens_per_expert, self.tp_rank, self.tp_size, self._all_reduce)
+
+    def _all_reduce(self, out: torch.Tensor) -> torch.Tensor:
+        return collectives.all_reduce_sum(out, self.tp_group) if self.tp_group is not None else out
+
+
+@functools.cache
+def _parallel_experts_class(cls: type) -> type:
+    """`ParallelExperts` in front of `cls` (one class per experts class)."""
+    return type(f"Parallel{cls.__name__}", (ParallelExperts, cls), {"__module__": __name__})
+
+
+def parallelize_experts(
+    module: nn.Module,
+    style: Style,
+    group: ProcessGroup | None,
+    tp_rank: int,
+    tp: int,
+    changes: ModelChanges | None = None,
+    where: str = "",
+) -> str:
+    """Switch an experts module (its parameters already this rank's experts) to `style`'s forward (`split_experts`).
+
+    Returns:
+        The description for the model's report.
+    """
+    experts = next(module.parameters(recurse=False)).shape[0]
+    described = (
+        f"tp: {style.name}: experts {tp_rank * experts}-{(tp_rank + 1) * experts - 1} of {experts * tp} on their "
+        "tokens, all-reduce(sum) over tp group"
+    )
+    _switch(changes or ModelChanges(module), module, where, _parallel_experts_class(type(module)), described, {
+        "preshard_style": style, "preshard_forward": style.parallel_forward(), "tp_group": group, "tp_rank": tp_rank,
+        "tp_size": tp,
+    })  # fmt: skip
+    return described
 
 
 class ParallelNorm(_StyleForward, nn.Module):
