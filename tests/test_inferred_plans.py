@@ -165,12 +165,12 @@ def test_a_class_assembled_from_diffusers_blocks_converts_with_no_change_and_mat
     assert control["layers"] >= 10 and control["rel"] > 1e-2, control
 
 
-def test_moe_experts_split_by_rank_match_and_are_wrong_without_their_reduce(zoo_run):
-    key = "NucleusMoEImageTransformer2DModel#2"
+@pytest.mark.parametrize("key", ["NucleusMoEImageTransformer2DModel#2", "NucleusMoEImageTransformer2DModel#3"])
+def test_moe_experts_split_by_rank_match_and_are_wrong_without_their_reduce(zoo_run, key):
+    """#2 runs the experts in the module's per-expert loop, #3 in F.grouped_mm (`use_grouped_mm`)."""
     assert zoo_run["plans"][key]["name"] == "inferred-NucleusMoEImageTransformer2DModel"
     result = zoo_run["results"][f"{key}|u1r1"]
     assert result["error"] is None and result["rel"] <= TOL, result
-    control = zoo_run["results"][
-        f"no-reduce-experts:{key}"
-    ]  # each rank's experts alone: wrong, so the match is the split's
+    # each rank's experts alone, without their all-reduce: wrong, so the match above is the split's
+    control = zoo_run["results"][f"no-reduce-experts:{key}"]
     assert control["layers"] == 1 and control["rel"] > 1e-2, control
