@@ -1,11 +1,15 @@
 """Every diffusers transformer class in tiny_zoo.json (the configs and inputs of diffusers' own model tests)
 converts with no --plan (a built-in plan, the class's `_tp_plan`, or else the plan inferred from its modules) or
 is refused in one line naming the module; each converted one, loaded on 2 gloo ranks, computes the unsharded
-model's function within 1e-5 (fp32), and at tp2 x ulysses2 / tp2 x ring2 where its plan has CP. One set of ranks
-runs every class in turn (converted once, in the parent); the results are written for scripts/models_table.py.
+model's function within 1e-5 (fp32), and at tp2 x ulysses2 / tp2 x ring2 where its plan has CP; where that CP
+plan is inferred (`plans/infer_cp.py`: the class declares no `_cp_plan`), also at sequence lengths the CP size
+does not divide. One set of ranks runs every class in turn (converted once, in the parent); the results are
+written for scripts/models_table.py.
 
-Negative control: a class assembled here from diffusers' blocks (no diffusers class, no plan) converts and
-matches; without the all-reduce of its row-split layers its output is wrong.
+Negative controls: a class assembled here from diffusers' blocks (no diffusers class, no plan) converts and
+matches; without the all-reduce of its row-split layers its output is wrong. An inferred CP plan at uneven lengths
+gives a wrong output with its attention left local (not routed across the CP group) or with its join order
+reversed, so the matches are the inferred plan's.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ KNOWN_FAILURES = {
     "(video_rotary_emb, for a column-split query): TP would have to slice a forward input per rank",
 }
 ASSEMBLED = assembled_model.AssembledTransformer2DModel.__name__
+CP_CONTROL = "ChromaTransformer2DModel"  # an inferred CP plan, for the negative controls
 RESULTS_ENV = "PRESHARD_ZOO_RESULTS"  # where to write the run's results for scripts/models_table.py
 
 
@@ -59,27 +64,53 @@ def _rel(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
     return max(((g - w).abs().max() / w.abs().max().clamp_min(1e-12)).item() for g, w in zip(got, want))
 
 
-def _rank_all(rank: int, world: int, cases: list[tuple[str, str, int, int]]) -> dict:
+def uneven(inputs: dict, splits: dict[str, int], cp: int = 2) -> dict:
+    """`inputs` with each input the CP plan splits (name -> sequence dim) one row shorter where `cp` divides it."""
+    out = dict(inputs)
+    for name, dim in splits.items():
+        x = out.get(name)
+        if isinstance(x, torch.Tensor) and x.shape[dim] % cp == 0:
+            out[name] = x.narrow(dim, 0, x.shape[dim] - 1)
+    return out
+
+
+def _rank_all(rank: int, world: int, cases: list[tuple[str, str, int, int, dict[str, int] | None]]) -> dict:
     from multiproc import init_gloo
     from tiny_zoo import build
 
+    from preshard.runtime.cp import unroute_attention
     from preshard.runtime.load import load_sharded
     from preshard.runtime.tp import ParallelLinear
 
     init_gloo()
     warnings.filterwarnings("ignore")
     results = {}
-    for key, folder, ulysses, ring in cases:
+    for key, folder, ulysses, ring, splits in cases:
         model, inputs = assembled_model.build() if key == ASSEMBLED else build(key)
+        case = f"{key}|u{ulysses}r{ring}" + ("odd" if splits is not None else "")
+        if splits is not None:
+            inputs = uneven(inputs, splits)
         try:
             with torch.no_grad():
                 reference = _outputs(model(**inputs))
                 net = load_sharded(type(model), folder, ulysses=ulysses, ring=ring)
                 got = _outputs(net(**inputs))
-            results[f"{key}|u{ulysses}r{ring}"] = {"rel": _rel(got, reference), "error": None}
+            results[case] = {"rel": _rel(got, reference), "error": None}
         except Exception as exc:  # noqa: BLE001 - reported to the parent test
-            results[f"{key}|u{ulysses}r{ring}"] = {"rel": None, "error": f"{type(exc).__name__}: {exc}"[:300]}
+            results[case] = {"rel": None, "error": f"{type(exc).__name__}: {exc}"[:300]}
             continue
+        if key == CP_CONTROL and splits is not None:  # negative controls of the inferred CP plan
+            runtime = net._preshard_cp
+            runtime.join_order = tuple(reversed(runtime.join_order))
+            with torch.no_grad():
+                results[f"reversed-join|u{ulysses}r{ring}"] = {"rel": _rel(_outputs(net(**inputs)), reference)}
+            runtime.join_order = tuple(reversed(runtime.join_order))
+            routed = [m for m in net.modules() if hasattr(m, "_preshard_cp_router")]
+            for m in routed:
+                unroute_attention(m)
+            with torch.no_grad():
+                results[f"unrouted|u{ulysses}r{ring}"] = {"rel": _rel(_outputs(net(**inputs)), reference),
+                                                          "modules": len(routed)}  # fmt: skip
         if key == ASSEMBLED:  # negative control: the row-split layers without their all-reduce
             rowwise = [m for m in net.modules() if isinstance(m, ParallelLinear)]
             for m in rowwise:
@@ -109,16 +140,24 @@ def zoo_run(tmp_path_factory) -> dict:
             cp = bool(plan.cp_plan)
         except PlanError:
             cp = False
-        plans[key] = {"name": plan.name, "cp": cp}
+        inferred = cp and plan.name.startswith("inferred-") and not getattr(type(model), "_cp_plan", None)
+        splits = {arg: s.dim for e in (plan.cp_plan or {}).values() for arg, s in e.split_inputs.items()}
+        plans[key] = {"name": plan.name, "cp": cp, "cp_inferred": inferred, "splits": splits}
     with pytest.MonkeyPatch.context() as patch:  # as a class a later diffusers adds: found by its config's name
         patch.setattr(diffusers, ASSEMBLED, assembled_model.AssembledTransformer2DModel, raising=False)
         source = save(assembled_model.build()[0], root / "src-assembled")
         convert_checkpoint(source, root / ASSEMBLED, tp=2, progress=False)
     converted[ASSEMBLED] = str(root / ASSEMBLED)
-    plans[ASSEMBLED] = {"name": read_manifest(root / ASSEMBLED).plan.name, "cp": False}
-    tp_cases = [(key, folder, 1, 1) for key, folder in converted.items()]
+    plans[ASSEMBLED] = {"name": read_manifest(root / ASSEMBLED).plan.name, "cp": False, "cp_inferred": False}
+    tp_cases = [(key, folder, 1, 1, None) for key, folder in converted.items()]
     meshes = ((2, 1), (1, 2))  # ulysses2, ring2
-    cp_cases = [(key, folder, u, r) for key, folder in converted.items() if plans[key]["cp"] for u, r in meshes]
+    cp_cases = [(key, folder, u, r, None) for key, folder in converted.items() if plans[key]["cp"] for u, r in meshes]
+    cp_cases += [  # an inferred CP plan: also at lengths the CP size does not divide
+        (key, folder, u, r, plans[key]["splits"])
+        for key, folder in converted.items()
+        if plans[key]["cp_inferred"]
+        for u, r in meshes
+    ]
     results = run_ranks(_rank_all, 2, tp_cases, timeout=600)[0]
     if cp_cases:
         results |= run_ranks(_rank_all, 4, cp_cases, timeout=600)[0]
@@ -152,3 +191,23 @@ def test_a_class_assembled_from_diffusers_blocks_converts_with_no_change_and_mat
     assert result["error"] is None and result["rel"] <= TOL, result
     control = zoo_run["results"]["no-reduce"]  # without the all-reduce: wrong, so the match above is the TP's
     assert control["layers"] >= 10 and control["rel"] > 1e-2, control
+
+
+def test_cp_plans_are_inferred_for_the_flux_shaped_classes_only(zoo_run):
+    inferred = sorted(k for k, p in zoo_run["plans"].items() if p["cp_inferred"])
+    assert inferred == [
+        "BriaTransformer2DModel", "ChromaTransformer2DModel", "LongCatImageTransformer2DModel",
+        "OvisImageTransformer2DModel",
+    ]  # fmt: skip
+    for key in inferred:  # the uneven lengths ran and matched (the parametrised test checks every mesh)
+        for mesh in ("u2r1odd", "u1r2odd"):
+            result = zoo_run["results"][f"{key}|{mesh}"]
+            assert result["error"] is None and result["rel"] <= TOL, (key, mesh, result)
+
+
+def test_an_inferred_cp_plan_is_wrong_without_its_attention_routing_or_with_its_join_order_reversed(zoo_run):
+    for mesh in ("u2r1", "u1r2"):
+        unrouted = zoo_run["results"][f"unrouted|{mesh}"]
+        assert unrouted["modules"] >= 2 and unrouted["rel"] > 1e-2, (mesh, unrouted)
+        reversed_join = zoo_run["results"][f"reversed-join|{mesh}"]
+        assert reversed_join["rel"] > 1e-2, (mesh, reversed_join)
