@@ -268,3 +268,66 @@ def test_show_plan_writes_an_inferred_cp_plan(tmp_path):
     assert data["cp_join_order"] == ["encoder_hidden_states", "hidden_states"]
     assert data["cp_plan"]["proj_out"] == {"gather_output": {"dim": 1, "expected_dims": 3}}
     assert load_plan(out).to_dict() == data
+
+
+class _Block(nn.Module):
+    def __init__(self, pool: bool) -> None:
+        from diffusers.models.attention_processor import Attention
+
+        super().__init__()
+        self.attn = Attention(query_dim=8, heads=2, dim_head=4)
+        self.pool = pool
+
+    def forward(self, hidden_states, scale=None):
+        out = hidden_states + self.attn(hidden_states)
+        if self.pool:  # mixes every token: not per token, so a split sequence would change it
+            out = out + out.mean(dim=1, keepdim=True)
+        return out * scale if scale is not None else out
+
+
+class _Blocks(nn.Module):
+    """A latent patched into tokens, a list of self-attention blocks, proj_out: the block-list shape."""
+
+    def __init__(self, pool: bool = False, per_token: bool = False) -> None:
+        super().__init__()
+        self.embed, self.proj_out = nn.Linear(4, 8), nn.Linear(8, 4)
+        self.blocks = nn.ModuleList([_Block(pool), _Block(pool)])
+        self.per_token = per_token
+
+    def forward(self, hidden_states, timestep):
+        x = self.embed(hidden_states.flatten(2).transpose(1, 2))
+        scale = torch.ones(1, x.shape[1], 1, device=x.device) if self.per_token else None
+        for block in self.blocks:
+            x = block(x, scale)
+        return (self.proj_out(x),)
+
+
+@pytest.mark.quick
+def test_a_block_list_probe_splits_at_the_first_block_and_gathers_proj_out_where_every_block_is_per_token():
+    from preshard.format.plan import SeqDim
+    from preshard.plans.infer_cp import infer_cp_plan
+
+    with torch.device("meta"):
+        plain, pooled, masked = _Blocks(), _Blocks(pool=True), _Blocks(per_token=True)
+    config = {"in_channels": 4, "patch_size": 1}
+    found = infer_cp_plan(plain, config)
+    assert found.plan is not None and found.join_order is None, found.why_not
+    assert found.plan["blocks.0"].split_inputs == {"hidden_states": SeqDim(1, 3)}
+    assert found.plan["proj_out"].gather_output == SeqDim(1, 3)
+    assert "a reduction (mean) over a sequence dim" in infer_cp_plan(pooled, config).why_not
+    assert "its blocks take scale per token" in infer_cp_plan(masked, config).why_not
+
+
+def test_block_list_classes_split_their_text_where_attention_joins_it_and_keep_it_whole_for_cross_attention():
+    from tiny_zoo import config
+
+    cogview = choose_plan(None, config("CogView4Transformer2DModel"))  # text and image joined in every attention
+    assert set(cogview.cp_plan) == {"transformer_blocks.0", "rope", "proj_out"}
+    assert set(cogview.cp_plan["transformer_blocks.0"].split_inputs) == {"hidden_states", "encoder_hidden_states"}
+    assert cogview.cp_join_order == ("encoder_hidden_states", "hidden_states")
+    pixart = choose_plan(None, config("PixArtTransformer2DModel"))  # cross-attention to the whole text
+    assert set(pixart.cp_plan["transformer_blocks.0"].split_inputs) == {"hidden_states"}
+    routed = {rule.match: rule.context_parallel for rule in pixart.attention}
+    assert routed == {"transformer_blocks.*.attn1": True, "transformer_blocks.*.attn2": False}
+    sana = choose_plan(None, config("SanaTransformer2DModel"))  # a depthwise convolution over the token grid
+    assert sana.cp_plan is None and "its blocks apply a convolution (conv2d)" in sana.description

@@ -9,7 +9,8 @@ written for scripts/models_table.py.
 Negative controls: a class assembled here from diffusers' blocks (no diffusers class, no plan) converts and
 matches; without the all-reduce of its row-split layers its output is wrong. An inferred CP plan at uneven lengths
 gives a wrong output with its attention left local (not routed across the CP group) or with its join order
-reversed, so the matches are the inferred plan's.
+reversed; one split at its first block (PixArt) is refused with its cross-attention to the whole text routed, and
+is wrong with no attention routed: so the matches are the inferred plans'.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ KNOWN_FAILURES = {
     "(video_rotary_emb, for a column-split query): TP would have to slice a forward input per rank",
 }
 ASSEMBLED = assembled_model.AssembledTransformer2DModel.__name__
-CP_CONTROL = "ChromaTransformer2DModel"  # an inferred CP plan, for the negative controls
+CP_CONTROL = "ChromaTransformer2DModel"  # an inferred CP plan (text and image split at the forward), for controls
+BLOCK_CONTROL = "PixArtTransformer2DModel"  # one split at its first block, its cross-attention to the text local
 RESULTS_ENV = "PRESHARD_ZOO_RESULTS"  # where to write the run's results for scripts/models_table.py
 
 
@@ -64,21 +66,30 @@ def _rel(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
     return max(((g - w).abs().max() / w.abs().max().clamp_min(1e-12)).item() for g, w in zip(got, want))
 
 
-def uneven(inputs: dict, splits: dict[str, int], cp: int = 2) -> dict:
-    """`inputs` with each input the CP plan splits (name -> sequence dim) one row shorter where `cp` divides it."""
+def uneven(inputs: dict, splits: dict[str, int], patch: int, cp: int = 2) -> dict:
+    """`inputs` at sequence lengths `cp` does not divide: each input the CP plan splits at the model's forward
+    (name -> sequence dim) one row shorter where `cp` divides it; where it splits inside (at a block), a latent
+    `[B, C, H, W]` cropped to an odd number of patches each way and the text one token shorter where even."""
     out = dict(inputs)
     for name, dim in splits.items():
         x = out.get(name)
         if isinstance(x, torch.Tensor) and x.shape[dim] % cp == 0:
             out[name] = x.narrow(dim, 0, x.shape[dim] - 1)
+    latent, text = out.get("hidden_states"), out.get("encoder_hidden_states")
+    if not splits and isinstance(latent, torch.Tensor) and latent.dim() == 4:
+        h, w = (n // patch - (n // patch + 1) % 2 for n in latent.shape[-2:])  # an odd number of patches
+        out["hidden_states"] = latent[..., : h * patch, : w * patch]
+        if isinstance(text, torch.Tensor) and text.shape[1] % cp == 0:
+            out["encoder_hidden_states"] = text[:, :-1]
     return out
 
 
 def _rank_all(rank: int, world: int, cases: list[tuple[str, str, int, int, dict[str, int] | None]]) -> dict:
+    """Each case: (zoo key, checkpoint, ulysses, ring, None or the splits for `uneven`)."""
     from multiproc import init_gloo
     from tiny_zoo import build
 
-    from preshard.runtime.cp import unroute_attention
+    from preshard.runtime.cp import route_attention, unroute_attention
     from preshard.runtime.load import load_sharded
     from preshard.runtime.tp import ParallelLinear
 
@@ -89,7 +100,7 @@ def _rank_all(rank: int, world: int, cases: list[tuple[str, str, int, int, dict[
         model, inputs = assembled_model.build() if key == ASSEMBLED else build(key)
         case = f"{key}|u{ulysses}r{ring}" + ("odd" if splits is not None else "")
         if splits is not None:
-            inputs = uneven(inputs, splits)
+            inputs = uneven(inputs, splits, getattr(model.config, "patch_size", None) or 1)
         try:
             with torch.no_grad():
                 reference = _outputs(model(**inputs))
@@ -111,6 +122,19 @@ def _rank_all(rank: int, world: int, cases: list[tuple[str, str, int, int, dict[
             with torch.no_grad():
                 results[f"unrouted|u{ulysses}r{ring}"] = {"rel": _rel(_outputs(net(**inputs)), reference),
                                                           "modules": len(routed)}  # fmt: skip
+        if key == BLOCK_CONTROL and splits is not None:  # its cross-attention routed too: the whole text is no
+            cross = [(n, m) for n, m in net.named_modules() if n.endswith("attn2")]  # split sequence
+            for name, m in cross:
+                route_attention(m, net._preshard_cp, name)
+            try:
+                with torch.no_grad():
+                    results[f"cross-routed|u{ulysses}r{ring}"] = {"rel": _rel(_outputs(net(**inputs)), reference)}
+            except Exception as exc:  # noqa: BLE001 - refused: what the control expects, or a wrong output
+                results[f"cross-routed|u{ulysses}r{ring}"] = {"rel": None, "error": f"{type(exc).__name__}: {exc}"}
+            for _, m in [(n, m) for n, m in net.named_modules() if n.endswith("attn1")] + cross:
+                unroute_attention(m)
+            with torch.no_grad():
+                results[f"block-unrouted|u{ulysses}r{ring}"] = {"rel": _rel(_outputs(net(**inputs)), reference)}
         if key == ASSEMBLED:  # negative control: the row-split layers without their all-reduce
             rowwise = [m for m in net.modules() if isinstance(m, ParallelLinear)]
             for m in rowwise:
@@ -141,7 +165,8 @@ def zoo_run(tmp_path_factory) -> dict:
         except PlanError:
             cp = False
         inferred = cp and plan.name.startswith("inferred-") and not getattr(type(model), "_cp_plan", None)
-        splits = {arg: s.dim for e in (plan.cp_plan or {}).values() for arg, s in e.split_inputs.items()}
+        at_forward = (plan.cp_plan or {}).get("")  # inputs split at the model's forward
+        splits = {arg: s.dim for arg, s in at_forward.split_inputs.items()} if at_forward else {}
         plans[key] = {"name": plan.name, "cp": cp, "cp_inferred": inferred, "splits": splits}
     with pytest.MonkeyPatch.context() as patch:  # as a class a later diffusers adds: found by its config's name
         patch.setattr(diffusers, ASSEMBLED, assembled_model.AssembledTransformer2DModel, raising=False)
@@ -193,11 +218,11 @@ def test_a_class_assembled_from_diffusers_blocks_converts_with_no_change_and_mat
     assert control["layers"] >= 10 and control["rel"] > 1e-2, control
 
 
-def test_cp_plans_are_inferred_for_the_flux_shaped_classes_only(zoo_run):
+def test_cp_plans_are_inferred_for_the_classes_a_probe_proves_and_match_at_uneven_lengths(zoo_run):
     inferred = sorted(k for k, p in zoo_run["plans"].items() if p["cp_inferred"])
     assert inferred == [
-        "BriaTransformer2DModel", "ChromaTransformer2DModel", "LongCatImageTransformer2DModel",
-        "OvisImageTransformer2DModel",
+        "BriaTransformer2DModel", "ChromaTransformer2DModel", "CogView4Transformer2DModel",
+        "LongCatImageTransformer2DModel", "OvisImageTransformer2DModel", "PixArtTransformer2DModel",
     ]  # fmt: skip
     for key in inferred:  # the uneven lengths ran and matched (the parametrised test checks every mesh)
         for mesh in ("u2r1odd", "u1r2odd"):
@@ -211,3 +236,11 @@ def test_an_inferred_cp_plan_is_wrong_without_its_attention_routing_or_with_its_
         assert unrouted["modules"] >= 2 and unrouted["rel"] > 1e-2, (mesh, unrouted)
         reversed_join = zoo_run["results"][f"reversed-join|{mesh}"]
         assert reversed_join["rel"] > 1e-2, (mesh, reversed_join)
+
+
+def test_a_block_list_cp_plan_is_refused_with_its_cross_attention_routed_and_wrong_with_none_routed(zoo_run):
+    for mesh in ("u2r1", "u1r2"):
+        cross = zoo_run["results"][f"cross-routed|{mesh}"]
+        assert cross["rel"] is None and "context_parallel: false" in cross["error"], (mesh, cross)
+        unrouted = zoo_run["results"][f"block-unrouted|{mesh}"]
+        assert unrouted["rel"] > 1e-2, (mesh, unrouted)

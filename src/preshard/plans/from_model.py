@@ -102,10 +102,20 @@ def _with_inferred_cp(plan: Plan, model: nn.Module, config: dict[str, Any]) -> P
     found = infer_cp_plan(model, config)
     if found.plan is None:
         return replace(plan, description=f"{plan.description}; no CP plan: {found.why_not}")
-    order = " then ".join(found.join_order or ())
+    attention = []
+    names = [name for name, m in model.named_modules() if name and is_attention(m)]
+    for rule in plan.attention:
+        hits = [name for name in names if matches(rule.match, name)]
+        local = [name for name in hits if name in found.local_attention]
+        if local and len(local) != len(hits):  # one rule over modules of both kinds: keep it exact
+            why = f"attention rule {rule.match} covers modules that attend to the whole text and others"
+            return replace(plan, description=f"{plan.description}; no CP plan: {why}")
+        attention.append(replace(rule, context_parallel=False) if local else rule)
+    joined = f"joined {' then '.join(found.join_order)}" if found.join_order else "text kept whole"
     return replace(
         plan,
-        description=f"{plan.description}, with a CP plan inferred from a probe of its forward (joined {order})",
+        description=f"{plan.description}, with a CP plan inferred from a probe of its forward ({joined})",
+        attention=tuple(attention),
         cp_plan=found.plan,
         cp_join_order=found.join_order,
     )

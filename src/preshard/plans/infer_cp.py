@@ -1,5 +1,6 @@
 """A CP plan inferred for a diffusers class that declares no `_cp_plan` and has no built-in plan, only where a probe
-of its forward on the meta device shows the one shape CP can split without knowing the class: Flux's.
+of its forward on the meta device shows a shape CP can split without knowing the class: Flux's (here), or a list
+of per-token blocks over a patched latent (`plans/infer_cp_blocks.py`, tried where this one fails).
 
 Why a probe and not the module tree alone: where a sequence is split, and whether every attention sees the whole
 of it, is decided by the forward's code, not by which modules exist. The probe runs the model's forward on the meta
@@ -50,6 +51,7 @@ class InferredCP:
     plan: dict[str, CPEntry] | None
     join_order: tuple[str, ...] | None = None
     why_not: str = ""
+    local_attention: tuple[str, ...] = ()  # attention modules over the whole text, run locally (not routed)
 
 
 @dataclass
@@ -121,16 +123,29 @@ def _first_tensor(out: Any) -> torch.Tensor | None:
 
 
 def infer_cp_plan(model: nn.Module, config: dict[str, Any] | None) -> InferredCP:
-    """The CP plan the probe of `model`'s forward proves right (see the module docstring), or why none.
+    """The CP plan a probe of `model`'s forward proves right (see the module docstring), or why none.
 
     Args:
         model: the model on the meta device.
         config: its config.json.
 
     Returns:
-        `InferredCP`: the plan and join order, or `plan` None and `why_not` saying which condition failed.
+        `InferredCP`: the plan and join order, or `plan` None and `why_not` saying which condition failed for each
+        shape.
     """
-    inputs = _meta_inputs(model, config or {})
+    tokens = _token_inputs_plan(model, config or {})
+    if tokens.plan is not None:
+        return tokens
+    from preshard.plans.infer_cp_blocks import block_list_plan
+
+    blocks = block_list_plan(model, config or {})
+    if blocks.plan is not None:
+        return blocks
+    return InferredCP(None, why_not=f"{tokens.why_not}; and as a block list, {blocks.why_not}")
+
+
+def _token_inputs_plan(model: nn.Module, config: dict[str, Any]) -> InferredCP:
+    inputs = _meta_inputs(model, config)
     if isinstance(inputs, str):
         return InferredCP(None, why_not=inputs)
     proj_out = getattr(model, "proj_out", None)
