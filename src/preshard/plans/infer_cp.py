@@ -38,20 +38,10 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from preshard.format.plan import CPEntry, SeqDim
+from preshard.plans.infer_cp_blocks import IMAGE, TEXT, InferredCP, block_list_plan
 
-TEXT, IMAGE = 37, 41  # probe lengths: primes no width or head count of a real config takes
 _INPUTS = ("hidden_states", "encoder_hidden_states", "img_ids", "txt_ids", "timestep")
 _SDPA = F.scaled_dot_product_attention
-
-
-@dataclass(frozen=True)
-class InferredCP:
-    """An inferred CP plan with its join order, or why none (`plan` None)."""
-
-    plan: dict[str, CPEntry] | None
-    join_order: tuple[str, ...] | None = None
-    why_not: str = ""
-    local_attention: tuple[str, ...] = ()  # attention modules over the whole text, run locally (not routed)
 
 
 @dataclass
@@ -136,8 +126,6 @@ def infer_cp_plan(model: nn.Module, config: dict[str, Any] | None) -> InferredCP
     tokens = _token_inputs_plan(model, config or {})
     if tokens.plan is not None:
         return tokens
-    from preshard.plans.infer_cp_blocks import block_list_plan
-
     blocks = block_list_plan(model, config or {})
     if blocks.plan is not None:
         return blocks

@@ -38,15 +38,25 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from preshard.format.plan import CPEntry, SeqDim
-from preshard.plans.infer_cp import IMAGE, TEXT, InferredCP
 from preshard.plans.model_check import is_attention
 
+TEXT, IMAGE = 37, 41  # probe lengths (both shapes): primes no width or head count of a real config takes
 JOINED = TEXT + IMAGE
 _SDPA = F.scaled_dot_product_attention
 _CONV = {F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d}
 _REDUCE = {"mean", "sum", "cumsum", "amax", "amin", "max", "min", "std", "var", "logsumexp", "softmax", "prod"}
 _TEXT_WIDTH_KEYS = ("joint_attention_dim", "text_embed_dim", "caption_channels", "cross_attention_dim")
 _SIZE_INPUTS = ("original_size", "target_size", "crop_coords")
+
+
+@dataclass(frozen=True)
+class InferredCP:
+    """An inferred CP plan with its join order, or why none (`plan` None)."""
+
+    plan: dict[str, CPEntry] | None
+    join_order: tuple[str, ...] | None = None
+    why_not: str = ""
+    local_attention: tuple[str, ...] = ()  # attention modules over the whole text, run locally (not routed)
 
 
 @dataclass
