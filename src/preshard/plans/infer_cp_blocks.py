@@ -116,13 +116,13 @@ def _blocks(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
     return lists
 
 
-def _inputs(model: nn.Module, config: dict[str, Any]) -> dict[str, torch.Tensor] | str:
+def _inputs(model: nn.Module, config: dict[str, Any]) -> dict[str, Any] | str:
     params = inspect.signature(model.forward).parameters
     channels, patch = config.get("in_channels"), config.get("patch_size") or 1
     if "hidden_states" not in params or not isinstance(channels, int) or not isinstance(patch, int):
         return "its forward takes no hidden_states latent of in_channels with a patch_size"
     with torch.device("meta"):
-        inputs: dict[str, torch.Tensor] = {"hidden_states": torch.empty(1, channels, patch, IMAGE * patch)}
+        inputs: dict[str, Any] = {"hidden_states": torch.empty(1, channels, patch, IMAGE * patch)}
         for name, param in params.items():
             if name == "hidden_states" or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
                 continue
@@ -137,6 +137,8 @@ def _inputs(model: nn.Module, config: dict[str, Any]) -> dict[str, torch.Tensor]
                 inputs[name] = torch.empty(1, dtype=torch.long)
             elif name in _SIZE_INPUTS:
                 inputs[name] = torch.empty(1, 2)
+            elif name == "added_cond_kwargs":  # PixArt's micro-conditions (per sample), where its config uses them
+                inputs[name] = {"resolution": torch.empty(1, 2), "aspect_ratio": torch.empty(1, 1)}
             elif param.default is inspect.Parameter.empty:
                 return f"its forward needs {name}, which the probe does not know how to shape"
     return inputs
