@@ -221,3 +221,177 @@ def test_an_mlp_of_the_block_s_own_linears_and_mochi_s_attention_and_per_head_ro
     assert styles["transformer_blocks.*.attn1.to_q"] == styles["transformer_blocks.*.attn1.add_q_proj"] == "colwise"
     assert styles["transformer_blocks.*.attn1.to_out.0"] == "rowwise"
     assert {i: (s.dim, s.expected_dims) for i, s in plan.tp_split_outputs["rope"].items()} == {0: (1, 3), 1: (1, 3)}
+
+
+class _Joint(nn.Module):
+    """A Flux-shaped toy: per-token embedders, one attention over [text; image] (or less), proj_out at the end."""
+
+    def __init__(self, text_first: bool = True, over: str = "joined", mask: bool = False) -> None:
+        super().__init__()
+        self.x_embedder, self.context_embedder = nn.Linear(4, 8), nn.Linear(6, 8)
+        self.proj_out = nn.Linear(8, 4)
+        self.text_first, self.over, self.mask = text_first, over, mask
+
+    def forward(self, hidden_states, encoder_hidden_states, img_ids, txt_ids, timestep):
+        image, text = self.x_embedder(hidden_states), self.context_embedder(encoder_hidden_states)
+        x = torch.cat([text, image] if self.text_first else [image, text], dim=1)
+        if self.over == "image":
+            x = image
+        q = x.unflatten(-1, (2, 4)).transpose(1, 2)
+        mask = torch.ones(q.shape[2], q.shape[2], dtype=torch.bool, device=q.device) if self.mask else None
+        out = nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask).transpose(1, 2).flatten(2)
+        if self.over != "image":
+            t = text.shape[1]
+            out = out[:, t:] if self.text_first else out[:, : out.shape[1] - t]
+        return (self.proj_out(out),)
+
+
+_TOY_CONFIG = {"in_channels": 4, "joint_attention_dim": 6, "axes_dims_rope": [2, 2]}
+
+
+def _toy(**kwargs) -> nn.Module:
+    with torch.device("meta"):
+        return _Joint(**kwargs)
+
+
+@pytest.mark.quick
+def test_a_cp_plan_is_inferred_where_every_attention_is_over_both_sequences_joined_in_one_order():
+    from preshard.format.plan import SeqDim
+    from preshard.plans.infer_cp import infer_cp_plan
+
+    found = infer_cp_plan(_toy(), _TOY_CONFIG)
+    assert found.plan is not None and found.join_order == ("encoder_hidden_states", "hidden_states")
+    assert found.plan[""].split_inputs == {
+        "hidden_states": SeqDim(1, 3), "encoder_hidden_states": SeqDim(1, 3),
+        "img_ids": SeqDim(0, 2), "txt_ids": SeqDim(0, 2),
+    }  # fmt: skip
+    assert found.plan["proj_out"].gather_output == SeqDim(1, 3)
+    assert infer_cp_plan(_toy(text_first=False), _TOY_CONFIG).join_order == ("hidden_states", "encoder_hidden_states")
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    ("toy", "config", "why"),
+    [
+        ({"over": "image"}, _TOY_CONFIG, "not over the whole joined sequence"),
+        ({"mask": True}, _TOY_CONFIG, "or masked"),
+        ({}, {"in_channels": 4}, "no in_channels, joint_attention_dim and axes_dims_rope"),
+        ({}, {**_TOY_CONFIG, "in_channels": 5}, "no top-level Linear layers take the image and text tokens"),
+    ],
+)
+def test_no_cp_plan_is_inferred_where_the_probe_cannot_prove_it_and_it_says_why(toy, config, why):
+    from preshard.plans.infer_cp import infer_cp_plan
+
+    found = infer_cp_plan(_toy(**toy), config)
+    assert found.plan is None and why in found.why_not, found.why_not
+
+
+@pytest.mark.quick
+def test_a_convolution_or_a_forward_without_position_ids_gets_no_cp_plan():
+    from preshard.plans.infer_cp import infer_cp_plan
+
+    model = _toy()
+    with torch.device("meta"):
+        model.patch = nn.Conv2d(4, 4, 1)
+    assert "is a convolution" in infer_cp_plan(model, _TOY_CONFIG).why_not
+    with torch.device("meta"):
+        no_ids = nn.Linear(4, 4)
+    assert "takes no" in infer_cp_plan(no_ids, _TOY_CONFIG).why_not
+
+
+def test_which_diffusers_classes_get_an_inferred_cp_plan_and_why_the_others_do_not():
+    from tiny_zoo import config
+
+    for name in ("ChromaTransformer2DModel", "BriaTransformer2DModel", "OvisImageTransformer2DModel",
+                 "LongCatImageTransformer2DModel"):  # fmt: skip
+        plan = choose_plan(None, config(name))
+        assert set(plan.cp_plan or {}) == {"", "proj_out"}, name
+        assert plan.cp_join_order == ("encoder_hidden_states", "hidden_states"), name
+        assert "CP plan inferred from a probe of its forward" in plan.description
+    why = {
+        "AllegroTransformer3DModel": "its forward takes no img_ids, txt_ids",  # video latents, no position ids
+        "Flux3Transformer2DModel": "no top-level Linear layers take the image and text tokens",  # per-mode embedders
+        "BriaFiboTransformer2DModel": "its forward does not run on the probe's inputs",  # needs text_encoder_layers
+    }
+    for name, reason in why.items():
+        plan = choose_plan(None, config(name))
+        assert plan.cp_plan is None and f"no CP plan: {reason}" in plan.description, (name, plan.description)
+    flux = choose_plan("auto", config("FluxTransformer2DModel"))  # the class's own _cp_plan, not probed
+    assert "_cp_plan" in flux.description and "probe" not in flux.description
+
+
+def test_show_plan_writes_an_inferred_cp_plan(tmp_path):
+    from tiny_diffusers import save
+    from tiny_zoo import build
+
+    source = save(build("ChromaTransformer2DModel")[0], tmp_path / "chroma")
+    out = tmp_path / "plan.json"
+    result = cli_runner().invoke(main, ["plan", str(source), "--show-plan", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["cp_join_order"] == ["encoder_hidden_states", "hidden_states"]
+    assert data["cp_plan"]["proj_out"] == {"gather_output": {"dim": 1, "expected_dims": 3}}
+    assert load_plan(out).to_dict() == data
+
+
+class _Block(nn.Module):
+    def __init__(self, pool: bool) -> None:
+        from diffusers.models.attention_processor import Attention
+
+        super().__init__()
+        self.attn = Attention(query_dim=8, heads=2, dim_head=4)
+        self.pool = pool
+
+    def forward(self, hidden_states, scale=None):
+        out = hidden_states + self.attn(hidden_states)
+        if self.pool:  # mixes every token: not per token, so a split sequence would change it
+            out = out + out.mean(dim=1, keepdim=True)
+        return out * scale if scale is not None else out
+
+
+class _Blocks(nn.Module):
+    """A latent patched into tokens, a list of self-attention blocks, proj_out: the block-list shape."""
+
+    def __init__(self, pool: bool = False, per_token: bool = False) -> None:
+        super().__init__()
+        self.embed, self.proj_out = nn.Linear(4, 8), nn.Linear(8, 4)
+        self.blocks = nn.ModuleList([_Block(pool), _Block(pool)])
+        self.per_token = per_token
+
+    def forward(self, hidden_states, timestep):
+        x = self.embed(hidden_states.flatten(2).transpose(1, 2))
+        scale = torch.ones(1, x.shape[1], 1, device=x.device) if self.per_token else None
+        for block in self.blocks:
+            x = block(x, scale)
+        return (self.proj_out(x),)
+
+
+@pytest.mark.quick
+def test_a_block_list_probe_splits_at_the_first_block_and_gathers_proj_out_where_every_block_is_per_token():
+    from preshard.format.plan import SeqDim
+    from preshard.plans.infer_cp import infer_cp_plan
+
+    with torch.device("meta"):
+        plain, pooled, masked = _Blocks(), _Blocks(pool=True), _Blocks(per_token=True)
+    config = {"in_channels": 4, "patch_size": 1}
+    found = infer_cp_plan(plain, config)
+    assert found.plan is not None and found.join_order is None, found.why_not
+    assert found.plan["blocks.0"].split_inputs == {"hidden_states": SeqDim(1, 3)}
+    assert found.plan["proj_out"].gather_output == SeqDim(1, 3)
+    assert "a reduction (mean) over a sequence dim" in infer_cp_plan(pooled, config).why_not
+    assert "its blocks take scale per token" in infer_cp_plan(masked, config).why_not
+
+
+def test_block_list_classes_split_their_text_where_attention_joins_it_and_keep_it_whole_for_cross_attention():
+    from tiny_zoo import config
+
+    cogview = choose_plan(None, config("CogView4Transformer2DModel"))  # text and image joined in every attention
+    assert set(cogview.cp_plan) == {"transformer_blocks.0", "rope", "proj_out"}
+    assert set(cogview.cp_plan["transformer_blocks.0"].split_inputs) == {"hidden_states", "encoder_hidden_states"}
+    assert cogview.cp_join_order == ("encoder_hidden_states", "hidden_states")
+    pixart = choose_plan(None, config("PixArtTransformer2DModel"))  # cross-attention to the whole text
+    assert set(pixart.cp_plan["transformer_blocks.0"].split_inputs) == {"hidden_states"}
+    routed = {rule.match: rule.context_parallel for rule in pixart.attention}
+    assert routed == {"transformer_blocks.*.attn1": True, "transformer_blocks.*.attn2": False}
+    sana = choose_plan(None, config("SanaTransformer2DModel"))  # a depthwise convolution over the token grid
+    assert sana.cp_plan is None and "its blocks apply a convolution (conv2d)" in sana.description

@@ -1,6 +1,8 @@
 """Tiny random instances of every diffusers transformer class, from the configs and inputs diffusers' own model
 tests use (tiny_zoo.json, written by scripts/make_tiny_zoo.py from a diffusers checkout), and configs written here
-for classes diffusers' tests give none that runs on CPU (every other tiny_zoo_*.json beside it, same format).
+for classes diffusers' tests give none that runs on CPU, or for a config value their test config lacks (every other
+tiny_zoo_*.json beside it, same format; tiny_zoo_variants.json: `CLASS#2` keys, e.g. CogView3Plus with a position
+table wide enough for the CP probe, PixArt with its micro-conditions).
 
 `build(key, seed)` gives the model (seeded weights, float32, eval mode) and its forward inputs; a float tensor the
 JSON keeps by shape only is drawn from a generator seeded by `seed`, the same on every rank. An entry with

@@ -58,7 +58,8 @@ def plan_from_model_class(
 ) -> Plan:
     """The plan `diffusers.<class_name>` declares (`_tp_plan`), resolved on a meta-device instance built from
     `config`; where it declares none, or `infer` asks for it, the plan inferred from its modules
-    (`plans/infer.py`), with the class's `_cp_plan` if it has one.
+    (`plans/infer.py`), with the class's `_cp_plan` if it has one, else the CP plan a probe of its forward proves
+    right, if any (`plans/infer_cp.py`).
 
     Args:
         passed_over: why the built-in plan for the class was not used (its config differs), for the plan's
@@ -78,6 +79,8 @@ def plan_from_model_class(
                 cp_plan=cp_plan_from_diffusers(cp),
                 cp_join_order=DIFFUSERS_CP_JOIN_ORDER.get(class_name),
             )
+        else:
+            plan = _with_inferred_cp(plan, model, config)
     else:
         plan = plan_from_model(model, config)
     if plan.cp_plan and getattr(cls, "_cp_plan", None):
@@ -88,6 +91,33 @@ def plan_from_model_class(
         plan,
         description=f"{plan.description} (passed over: {passed_over})",
         origin=f"{plan.origin} (the built-in plan for the class does not fit its config)",
+    )
+
+
+def _with_inferred_cp(plan: Plan, model: nn.Module, config: dict[str, Any]) -> Plan:
+    """`plan` with the CP plan a probe of the model's forward proves right (`plans/infer_cp.py`); else as it is,
+    its description saying why there is no CP."""
+    from preshard.plans.infer_cp import infer_cp_plan
+
+    found = infer_cp_plan(model, config)
+    if found.plan is None:
+        return replace(plan, description=f"{plan.description}; no CP plan: {found.why_not}")
+    attention = []
+    names = [name for name, m in model.named_modules() if name and is_attention(m)]
+    for rule in plan.attention:
+        hits = [name for name in names if matches(rule.match, name)]
+        local = [name for name in hits if name in found.local_attention]
+        if local and len(local) != len(hits):  # one rule over modules of both kinds: keep it exact
+            why = f"attention rule {rule.match} covers modules that attend to the whole text and others"
+            return replace(plan, description=f"{plan.description}; no CP plan: {why}")
+        attention.append(replace(rule, context_parallel=False) if local else rule)
+    joined = f"joined {' then '.join(found.join_order)}" if found.join_order else "text kept whole"
+    return replace(
+        plan,
+        description=f"{plan.description}, with a CP plan inferred from a probe of its forward ({joined})",
+        attention=tuple(attention),
+        cp_plan=found.plan,
+        cp_join_order=found.join_order,
     )
 
 

@@ -27,8 +27,11 @@ way the router stays whole and every TP rank holds every token and routes it ali
 Whole experts rather than each expert split: the output's rows each come from one rank (exact), expert-choice
 routing balances the ranks, and the converter cuts tensors along dim 0 (docs/design.md says more). Everything else
 is replicated. What inference cannot place correctly (a Linear, a parameter or a norm inside an attention module
-that it does not recognise) is refused naming the module and why: no guess. CP comes only from the
-class's own `_cp_plan` (inferring where to split the sequence is not done).
+that it does not recognise) is refused naming the module and why: no guess.
+CP is not placed here: it comes from the class's own `_cp_plan`, else from `plans/infer_cp.py`, which infers one
+only where a probe of the forward on the meta device proves a shape it can split (Flux's: both sequences joined in
+every attention, position ids as inputs; or a list of per-token blocks over a patched latent, attention over the
+whole sequence); else none.
 """
 
 from __future__ import annotations
@@ -76,7 +79,7 @@ _ADALN = re.compile(r"(^|\.)(norm[^.]*\.linear|[^.]*adaln[^.]*|[^.]*modulation[^
 
 def infer_plan(model: nn.Module, config: dict[str, Any] | None = None) -> Plan:
     """The TP plan `model`'s modules call for (see the module docstring); no CP plan (`plan_from_model_class`
-    adds the class's `_cp_plan`).
+    adds the class's `_cp_plan`, else the one `plans/infer_cp.py` infers, if any).
 
     Args:
         model: the model, on the meta device (no memory needed).

@@ -29,7 +29,8 @@ torch's functional collectives (`collectives`), traced into the graph. A backend
 (flash-attn, sage, diffusers' own `enable_parallelism`) is refused in one line before it runs.
 
 The CP plan is plain data (module pattern -> what to split or gather). It comes from the preshard
-plan's `cp_plan` if given, else from the model class's own `_cp_plan` (diffusers declares one).
+plan's `cp_plan` if given (built in, a plan file's, or inferred by `plans/infer_cp.py`), else from the model
+class's own `_cp_plan` (diffusers declares one).
 """
 
 from __future__ import annotations
