@@ -4,8 +4,9 @@ A plan names Linear modules (dotted paths; `*` matches one path component) with 
 blocks given, or read from the widths of named sibling Linears, `blocks_from`; norms take the `tp_rms_norm`
 style), attention modules whose head-count attributes are divided by the TP degree and whose attention runs
 context parallel, config keys that must divide by the TP degree, config values the plan is made for, outputs
-of replicated modules that each TP rank slices to its own heads (LTX-2's rotary embeddings), and optionally a
-CP plan (which inputs to split along the sequence and which outputs to gather), the order in which the
+of replicated modules that each TP rank slices to its own heads (LTX-2's rotary embeddings), forward inputs that
+span every head, which each rank slices likewise (the SANA-WM LTX-2 refiner's rotary tables, `tp_split_inputs`), and
+optionally a CP plan (which inputs to split along the sequence and which outputs to gather), the order in which the
 model joins split sequences for attention (`cp_join_order`, e.g. Flux's text before image: CP needs it to find
 the padded rows of each at any length) and the config values CP works for (`cp_config_requires`: HunyuanVideo's
 token-replace I2V variant treats the first frame's rows apart, which a split sequence cannot). The manifest

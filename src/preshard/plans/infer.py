@@ -5,6 +5,9 @@ runs replicated, unchanged and correct:
 - attention (diffusers' modules with a processor): the q/k/v projections (separate, Kandinsky's `to_query`/
   `to_key`/`to_value` too, or fused `to_qkv`/`to_kv` as packed blocks, grouped KV heads included) and the added
   text projections colwise, the output projections (`out_layer` too) rowwise, the head-count attributes divided;
+  grouped KV heads that the TP degree exceeds (dividing it) computed one per rank, `kv_head_select`, their
+  attributes one head's worth (`one_kv_head`); a 3-D mask with a row per (batch, head) cut to the rank's heads
+  (`per_head_masks`);
   a q/k norm over one head (the query's width over the head count where no attribute gives it) or on the
   attention's input stays whole, one across all heads of a column-split projection takes `tp_rms_norm` or
   `tp_layer_norm`;
@@ -12,7 +15,8 @@ runs replicated, unchanged and correct:
   packed blocks) and MLP modules of two or three Linear layers (up/gate colwise, down rowwise);
 - single-stream blocks whose attention has no output projection and whose `proj_out` takes `cat([attn, mlp])`:
   `proj_out` packed rowwise with the attention's and the MLP's widths;
-- rotary tables that span every head at once (LTX-Video's): each rank slices its part (`tp_split_outputs`);
+- rotary tables that span every head at once (LTX-Video's): each rank slices its part (`tp_split_outputs`), and of
+  such tables given to the model's forward (`tp_split_inputs`);
 - AdaLN modulation projections, split along their (replicated) input with `replicated_input_rowwise`, only where
   together they are more than a tenth of the parameters (else the all-reduce costs more than the memory saved).
 

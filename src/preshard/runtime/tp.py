@@ -1,5 +1,6 @@
 """Tensor-parallel forward for styles that rewire their module (rowwise and its variants, the TP RMSNorm), and
-the slicing of replicated outputs that each rank needs only its heads of.
+the slicing of replicated outputs, of forward inputs and of per-head attention masks that each rank needs only its
+heads of (hooks: what the model computes or is given whole, attention holding this rank's heads reads in part).
 
 A row-parallel layer's partial products are summed with an all-reduce over the TP group and the bias is
 added once, after the reduce. That ordering cannot be expressed with forward hooks around
