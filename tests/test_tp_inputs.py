@@ -144,12 +144,14 @@ def test_a_mask_with_a_row_per_batch_item_and_head_is_cut_to_the_ranks_heads():
         described = [slice_head_masks(p, MASK_PLAN, r, WORLD) for r, p in enumerate(parts)]
         got = sum(p.attn(x, attention_mask=mask) for p in parts)
         got_batch = sum(p.attn(x, attention_mask=batch_mask) for p in parts)
+        got_positional = sum(p.attn(x, None, mask) for p in parts)  # the mask given by position
         swapped = [_rank_module(full, r) for r in range(WORLD)]  # negative control: the other rank's rows
         for r, p in enumerate(swapped):
             slice_head_masks(p, MASK_PLAN, WORLD - 1 - r, WORLD)
         wrong = sum(p.attn(x, attention_mask=mask) for p in swapped)
     assert (got - want).abs().max() <= 1e-5
     assert (got_batch - want_batch).abs().max() <= 1e-5
+    assert (got_positional - want).abs().max() <= 1e-5
     assert (wrong - want).abs().max() > 0.05
     assert "attention mask of 4 heads' rows per batch item: keep this rank's 2" in described[0]["attn"]
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -289,12 +289,34 @@ def _narrow_item(x: Any, where: str, spec: SplitInput, tp_rank: int, tp: int) ->
     return x.narrow(dim, tp_rank * width, width)
 
 
-def _split_inputs_hook(signature: inspect.Signature, specs: dict[str, dict[int, SplitInput]], tp_rank: int, tp: int):
+def _positions(signature: inspect.Signature, names: Iterable[str]) -> dict[str, int | None]:
+    """Where each of `names` stands among forward's positional parameters (None: keyword only)."""
+    positional = [
+        p.name for p in signature.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    return {name: positional.index(name) if name in positional else None for name in names}
+
+
+def _get(args: tuple, kwargs: dict, name: str, index: int | None) -> Any:
+    """An input by name or position (plain tuple and dict reads: torch.compile traces them)."""
+    if name in kwargs:
+        return kwargs[name]
+    return args[index] if index is not None and index < len(args) else None
+
+
+def _put(args: tuple, kwargs: dict, name: str, index: int | None, value: Any) -> tuple[tuple, dict]:
+    if name in kwargs or index is None:
+        return args, {**kwargs, name: value}
+    return (*args[:index], value, *args[index + 1 :]), kwargs
+
+
+def _split_inputs_hook(
+    positions: dict[str, int | None], specs: dict[str, dict[int, SplitInput]], tp_rank: int, tp: int
+):
     def hook(module, args, kwargs):
-        bound = signature.bind_partial(*args, **kwargs)
         changed = False
         for name, items in specs.items():
-            value = bound.arguments.get(name)
+            value = _get(args, kwargs, name, positions[name])
             if value is None:
                 continue
             single = isinstance(value, torch.Tensor)
@@ -305,9 +327,9 @@ def _split_inputs_hook(signature: inspect.Signature, specs: dict[str, dict[int, 
                         f"tensor parallel: input {name} has no item {i}, which the plan's tp_split_inputs slices"
                     )
                 parts[i] = _narrow_item(parts[i], f"item {i} of input {name}", spec, tp_rank, tp)
-            bound.arguments[name] = parts[0] if single else type(value)(parts)
+            args, kwargs = _put(args, kwargs, name, positions[name], parts[0] if single else type(value)(parts))
             changed = True
-        return (tuple(bound.args), dict(bound.kwargs)) if changed else None
+        return (args, kwargs) if changed else None
 
     return hook
 
@@ -341,16 +363,17 @@ def split_inputs(
     )
     described = f"tp: keep this rank's slice of input {what}"
     handle = model.register_forward_pre_hook(
-        _split_inputs_hook(signature, plan.tp_split_inputs, tp_rank, tp), with_kwargs=True
+        _split_inputs_hook(_positions(signature, plan.tp_split_inputs), plan.tp_split_inputs, tp_rank, tp),
+        with_kwargs=True,
     )
     (changes or ModelChanges(model)).hook("", described, handle)
     return {"": described}
 
 
-def _head_masks_hook(signature: inspect.Signature, heads: int, tp_rank: int, tp: int):
+def _head_masks_hook(positions: dict[str, int | None], heads: int, tp_rank: int, tp: int):
     def hook(module, args, kwargs):
-        bound = signature.bind_partial(*args, **kwargs)
-        mask, hidden = bound.arguments.get("attention_mask"), bound.arguments.get("hidden_states")
+        mask = _get(args, kwargs, "attention_mask", positions["attention_mask"])
+        hidden = _get(args, kwargs, "hidden_states", positions["hidden_states"])
         if not isinstance(mask, torch.Tensor) or not isinstance(hidden, torch.Tensor) or mask.dim() != 3:
             return None
         batch = hidden.shape[0]
@@ -358,8 +381,9 @@ def _head_masks_hook(signature: inspect.Signature, heads: int, tp_rank: int, tp:
             return None  # one row per batch item (repeated by the local heads in the processor), or broadcast
         local = heads // tp
         rows = mask.view(batch, heads, *mask.shape[1:])[:, tp_rank * local : (tp_rank + 1) * local]
-        bound.arguments["attention_mask"] = rows.reshape(batch * local, *mask.shape[1:])
-        return tuple(bound.args), dict(bound.kwargs)
+        return _put(
+            args, kwargs, "attention_mask", positions["attention_mask"], rows.reshape(batch * local, *mask.shape[1:])
+        )
 
     return hook
 
@@ -395,6 +419,9 @@ def slice_head_masks(
                 )
             heads = local * tp
             described[name] = f"tp: 3-D attention mask of {heads} heads' rows per batch item: keep this rank's {local}"
-            handle = module.register_forward_pre_hook(_head_masks_hook(signature, heads, tp_rank, tp), with_kwargs=True)
+            handle = module.register_forward_pre_hook(
+                _head_masks_hook(_positions(signature, ("hidden_states", "attention_mask")), heads, tp_rank, tp),
+                with_kwargs=True,
+            )
             (changes or ModelChanges(model)).hook(name, described[name], handle)
     return described
