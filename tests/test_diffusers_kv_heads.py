@@ -23,6 +23,7 @@ from tiny_zoo import build
 from preshard.converter.convert import convert_checkpoint
 from preshard.errors import PlanError
 from preshard.format.manifest import read_manifest
+from preshard.format.plan import resolve_plan
 from preshard.plans.from_model import build_on_meta
 from preshard.plans.infer import infer_plan
 
@@ -108,3 +109,16 @@ def test_a_degree_neither_dividing_nor_a_multiple_of_the_kv_heads_is_one_line(tm
     with pytest.raises(PlanError) as info:
         convert_checkpoint(save(model, tmp_path / "src"), tmp_path / "tp3", tp=3, progress=False)
     assert "--tp 3 does not divide" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_the_tp4_plan_is_refused_at_a_degree_that_is_not_a_multiple_of_the_kv_heads(tp4):
+    """At tp1 kv_head_select would compute one KV head for all 4 query heads (Lumina2 counts the KV heads from the
+    key's width: silently wrong), so the plan is refused there; at tp2 each rank's one KV head is its own."""
+    model, _ = build("Lumina2Transformer2DModel")
+    plan = read_manifest(Path(tp4["Lumina2Transformer2DModel"])).plan
+    shapes = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
+    config = dict(model.config)
+    resolve_plan(plan, shapes, 2, config=config)
+    with pytest.raises(PlanError) as info:
+        resolve_plan(plan, shapes, 1, config=config)
+    assert "--tp 1 is not a multiple of the 2 KV heads" in str(info.value) and "\n" not in str(info.value)

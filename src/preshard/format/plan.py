@@ -618,6 +618,13 @@ def valid_tp_degrees(plan: Plan, resolved: Mapping[str, TensorLayout], config: M
 
 
 def check_tp(plan: Plan, resolved: Mapping[str, TensorLayout], tp: int, config: Mapping[str, Any]) -> None:
+    for name, layout in resolved.items():  # a rank computes one KV head: the degree must be a multiple of them
+        kv_heads = layout.style.blocks if layout.style.name == "kv_head_select" else None
+        if isinstance(kv_heads, int) and tp % kv_heads:
+            raise PlanError(
+                f"{plan.origin}: --tp {tp} is not a multiple of the {kv_heads} KV heads {name} computes one of per "
+                "rank (kv_head_select, inferred at a larger degree); convert from the source at this degree instead"
+            )
     for what, size in _split_sizes(plan, resolved, config):
         if size % tp:
             valid = ", ".join(map(str, valid_tp_degrees(plan, resolved, config)))
