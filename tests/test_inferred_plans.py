@@ -37,12 +37,7 @@ from preshard.format.manifest import read_manifest
 TOL = 1e-5
 # Classes that convert but do not load as they should, each with why (strict: fixing one fails the test until it
 # is taken off the list).
-KNOWN_FAILURES = {
-    "PriorTransformer#2": "with a text mask its forward repeats the mask by config.num_attention_heads, the full "
-    "head count, which TP cannot divide (tp2 without a mask matches)",
-    "SanaWMLTX2RefinerTransformer3DModel": "its forward takes the (cos, sin) tables of every head at once "
-    "(video_rotary_emb, for a column-split query): TP would have to slice a forward input per rank",
-}
+KNOWN_FAILURES: dict[str, str] = {}
 ASSEMBLED = assembled_model.AssembledTransformer2DModel.__name__
 CP_CONTROL = "ChromaTransformer2DModel"  # an inferred CP plan (text and image split at the forward), for controls
 BLOCK_CONTROL = "PixArtTransformer2DModel"  # one split at its first block, its cross-attention to the text local

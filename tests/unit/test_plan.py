@@ -23,8 +23,9 @@ GOOD = {
         {"match": "blocks.*.ff", "style": "packed_colwise", "blocks": 2},
         {"match": "blocks.*.out", "style": "packed_rowwise", "blocks": [4, 12]},
     ],
-    "attention": [{"match": "blocks.*", "divide": ["heads"], "context_parallel": True}],
+    "attention": [{"match": "blocks.*", "divide": ["heads"], "context_parallel": True, "per_head_masks": True}],
     "config_divisible": ["num_heads"],
+    "tp_split_inputs": {"rotary_emb": {"0": {"dim": -1, "whole": 32, "expected_dims": 3}}},
     "cp_plan": {
         "": {"split_inputs": {"x": {"dim": 1, "expected_dims": 3}}},
         "rope": {"split_outputs": {"0": {"dim": 0, "expected_dims": 2}}},
@@ -49,6 +50,8 @@ def test_round_trip_through_json():
     assert again.cp_plan[""].split_inputs["x"].dim == 1
     assert again.cp_plan["rope"].split_outputs[0].expected_dims == 2
     assert again.cp_plan["head"].gather_output.dim == 1
+    assert again.attention[0].per_head_masks
+    assert again.tp_split_inputs["rotary_emb"][0].whole == 32
 
 
 @pytest.mark.parametrize(
@@ -69,6 +72,12 @@ def test_round_trip_through_json():
         (lambda p: p["attention"][0].update(divide="heads"), "'divide' must be a list of attribute names"),
         (lambda p: p["attention"][0].update(divide=["a-b"]), "'divide' must be a list of attribute names"),
         (lambda p: p.update(config_divisible="heads"), "'config_divisible' must be a list"),
+        (lambda p: p["attention"][0].update(per_head_masks=1), "'per_head_masks' must be true or false"),
+        (lambda p: p.update(tp_split_inputs=[]), "'tp_split_inputs' must map forward input names"),
+        (lambda p: p.update(tp_split_inputs={"a-b": {"0": {}}}), "entry 'a-b' must map a forward input's name"),
+        (lambda p: p["tp_split_inputs"]["rotary_emb"].update(x={}), "item x: the key must be an item index"),
+        (lambda p: p["tp_split_inputs"]["rotary_emb"]["0"].update(whole=0), "'whole' must be the width"),
+        (lambda p: p["tp_split_inputs"]["rotary_emb"]["0"].update(dim=3), "not a dimension of a 3-dim tensor"),
         (lambda p: p.update(cp_plan=[]), "'cp_plan' must be an object"),
         (lambda p: p["cp_plan"][""].update(split_inputs={"x": {"dim": "1"}}), "cp_plan .x must be"),
         (lambda p: p["cp_plan"][""].update(split_inputs={"x": {"dim": 5, "expected_dims": 3}}), "not a dimension"),

@@ -4,8 +4,9 @@ A plan names Linear modules (dotted paths; `*` matches one path component) with 
 blocks given, or read from the widths of named sibling Linears, `blocks_from`; norms take the `tp_rms_norm`
 style), attention modules whose head-count attributes are divided by the TP degree and whose attention runs
 context parallel, config keys that must divide by the TP degree, config values the plan is made for, outputs
-of replicated modules that each TP rank slices to its own heads (LTX-2's rotary embeddings), and optionally a
-CP plan (which inputs to split along the sequence and which outputs to gather), the order in which the
+of replicated modules that each TP rank slices to its own heads (LTX-2's rotary embeddings), forward inputs that
+span every head, which each rank slices likewise (the SANA-WM LTX-2 refiner's rotary tables, `tp_split_inputs`), and
+optionally a CP plan (which inputs to split along the sequence and which outputs to gather), the order in which the
 model joins split sequences for attention (`cp_join_order`, e.g. Flux's text before image: CP needs it to find
 the padded rows of each at any length) and the config values CP works for (`cp_config_requires`: HunyuanVideo's
 token-replace I2V variant treats the first frame's rows apart, which a split sequence cannot). The manifest
@@ -103,12 +104,31 @@ class LinearRule:
 
 @dataclass(frozen=True)
 class AttentionRule:
+    """Attention modules whose head-count attributes `divide` names are divided by the TP degree.
+    `context_parallel`: their attention runs context parallel. `per_head_masks`: a 3-D attention mask given with
+    one row per (batch, head) of the full head count (PriorTransformer repeats its mask by the config's head count)
+    is cut to this rank's heads' rows at TP. `one_kv_head`: attributes holding the grouped KV heads' count or width
+    (`kv_heads`, `inner_kv_dim`), each divided by the KV head count it maps to, where a rank computes one KV head
+    (`kv_head_select`: TP exceeds the KV heads)."""
+
     match: str
     divide: tuple[str, ...] = ()
     context_parallel: bool = True
+    per_head_masks: bool = False
+    one_kv_head: tuple[tuple[str, int], ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"match": self.match, "divide": list(self.divide)}
+        data["context_parallel"] = self.context_parallel
+        if self.per_head_masks:
+            data["per_head_masks"] = True
+        if self.one_kv_head:
+            data["one_kv_head"] = dict(self.one_kv_head)
+        return data
 
     def divided_values(self, name: str, module: Any, tp: int) -> dict[str, int]:
-        """The values `module` (named `name`) takes for each attribute in `divide` at TP degree `tp`.
+        """The values `module` (named `name`) takes for each attribute in `divide` at TP degree `tp`, and (at tp > 1)
+        for each in `one_kv_head`.
 
         Raises:
             PlanError: an attribute that is missing, not an integer, or not divisible by `tp`.
@@ -124,6 +144,14 @@ class AttentionRule:
                     f"--tp {tp} does not divide {name}.{attr} = {value}; TP degrees that divide it: {works}"
                 )
             values[attr] = value // tp
+        for attr, kv_heads in self.one_kv_head if tp > 1 else ():
+            value = getattr(module, attr, None)
+            if not isinstance(value, int) or isinstance(value, bool) or value % kv_heads:
+                raise PlanError(
+                    f"{name}.{attr} = {value!r} is not a whole multiple of the {kv_heads} KV heads the plan computes "
+                    "one of per rank; the plan does not fit this model"
+                )
+            values[attr] = value // kv_heads
         return values
 
 
@@ -136,6 +164,20 @@ class SeqDim:
 
     def to_dict(self) -> dict[str, Any]:
         return {"dim": self.dim, "expected_dims": self.expected_dims}
+
+
+@dataclass(frozen=True)
+class SplitInput:
+    """Items of a forward input that span every head at once (rotary tables for a column-split query): on `dim`
+    they are `whole` wide, and each TP rank keeps its `whole / tp` part; items already that narrow (made by the
+    sharded model's own rotary module, whose output `tp_split_outputs` slices) pass as they are."""
+
+    dim: int
+    whole: int
+    expected_dims: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dim": self.dim, "whole": self.whole, "expected_dims": self.expected_dims}
 
 
 @dataclass(frozen=True)
@@ -172,6 +214,9 @@ class Plan:
     origin: str = "plan"  # where it came from, for messages ("built-in plan minimax-h3", a file, a model class)
     # Replicated modules whose outputs each TP rank slices to its 1/tp part along a dim (per-head rotary tables).
     tp_split_outputs: dict[str, dict[int, SeqDim]] = field(default_factory=dict)
+    # Inputs of the model's forward whose items (by index; a tensor is item 0) span every head: each TP rank
+    # slices its part (the SANA-WM LTX-2 refiner's video_rotary_emb).
+    tp_split_inputs: dict[str, dict[int, SplitInput]] = field(default_factory=dict)
     # Config values the plan is made for (LTX-2's rope_type): another value is refused at conversion.
     config_requires: dict[str, Any] = field(default_factory=dict)
     # Config values the CP plan works for, each a value or a list of the values allowed: another is refused on a
@@ -185,10 +230,7 @@ class Plan:
             "description": self.description,
             "model_classes": list(self.model_classes),
             "linear": [rule.to_dict() for rule in self.linear],
-            "attention": [
-                {"match": a.match, "divide": list(a.divide), "context_parallel": a.context_parallel}
-                for a in self.attention
-            ],
+            "attention": [a.to_dict() for a in self.attention],
             "config_divisible": list(self.config_divisible),
         }
         if self.cp_plan is not None:
@@ -197,6 +239,11 @@ class Plan:
             data["tp_split_outputs"] = {
                 module: {str(i): spec.to_dict() for i, spec in outputs.items()}
                 for module, outputs in self.tp_split_outputs.items()
+            }
+        if self.tp_split_inputs:
+            data["tp_split_inputs"] = {
+                name: {str(i): spec.to_dict() for i, spec in items.items()}
+                for name, items in self.tp_split_inputs.items()
             }
         if self.config_requires:
             data["config_requires"] = dict(self.config_requires)
@@ -277,7 +324,7 @@ def _parse_plan(data: Any, origin: str) -> Plan:
         raise bad("must be a JSON object with 'name' and 'linear'")
     known = {
         "format", "name", "description", "model_classes", "linear", "attention", "config_divisible", "cp_plan",
-        "tp_split_outputs", "config_requires", "cp_join_order", "cp_config_requires",
+        "tp_split_outputs", "tp_split_inputs", "config_requires", "cp_join_order", "cp_config_requires",
     }  # fmt: skip
     unknown = sorted(set(data) - known)
     if unknown:
@@ -315,7 +362,7 @@ def _parse_plan(data: Any, origin: str) -> Plan:
     for i, rule in enumerate(raw_attention):
         if not isinstance(rule, dict) or not isinstance(rule.get("match"), str) or not rule["match"]:
             raise bad(f"attention rule {i} needs a non-empty string 'match'")
-        extra = sorted(set(rule) - {"match", "divide", "context_parallel"})
+        extra = sorted(set(rule) - {"match", "divide", "context_parallel", "per_head_masks", "one_kv_head"})
         if extra:
             raise bad(f"attention rule {rule['match']!r} has unknown keys {extra}")
         divide = rule.get("divide", [])
@@ -324,12 +371,23 @@ def _parse_plan(data: Any, origin: str) -> Plan:
         context_parallel = rule.get("context_parallel", True)
         if not isinstance(context_parallel, bool):
             raise bad(f"attention rule {rule['match']!r}: 'context_parallel' must be true or false")
-        attention.append(AttentionRule(rule["match"], tuple(divide), context_parallel))
+        per_head_masks = rule.get("per_head_masks", False)
+        if not isinstance(per_head_masks, bool):
+            raise bad(f"attention rule {rule['match']!r}: 'per_head_masks' must be true or false")
+        one_kv_head = rule.get("one_kv_head", {})
+        if not isinstance(one_kv_head, dict) or not all(
+            isinstance(a, str) and _IDENTIFIER.match(a) and _is_int(n) and n >= 1 for a, n in one_kv_head.items()
+        ):
+            raise bad(f"attention rule {rule['match']!r}: 'one_kv_head' must map attribute names to KV head counts")
+        attention.append(
+            AttentionRule(rule["match"], tuple(divide), context_parallel, per_head_masks, tuple(one_kv_head.items()))
+        )
     config_divisible = data.get("config_divisible", [])
     if not isinstance(config_divisible, list) or not all(isinstance(k, str) for k in config_divisible):
         raise bad("'config_divisible' must be a list of config keys")
     cp_plan = _parse_cp_plan(data["cp_plan"], bad) if data.get("cp_plan") is not None else None
     tp_split_outputs = _parse_tp_split_outputs(data.get("tp_split_outputs", {}), bad)
+    tp_split_inputs = _parse_tp_split_inputs(data.get("tp_split_inputs", {}), bad)
     config_requires = data.get("config_requires", {})
     if not isinstance(config_requires, dict) or not all(
         isinstance(v, (str, int, float, bool)) or v is None for v in config_requires.values()
@@ -369,6 +427,7 @@ def _parse_plan(data: Any, origin: str) -> Plan:
         cp_join_order=tuple(join) if join is not None else None,
         origin=origin,
         tp_split_outputs=tp_split_outputs,
+        tp_split_inputs=tp_split_inputs,
         config_requires=dict(config_requires),
         cp_config_requires=dict(cp_config_requires),
     )
@@ -402,6 +461,31 @@ def _parse_tp_split_outputs(raw: Any, bad) -> dict[str, dict[int, SeqDim]]:
                 raise bad(f"tp_split_outputs entry {module!r}: key {index!r} must be an output index (0, 1, ...)")
             specs[int(index)] = _parse_seq_dim(spec, f"{module} output {index}", bad, "tp_split_outputs")
         result[module] = specs
+    return result
+
+
+def _parse_tp_split_inputs(raw: Any, bad) -> dict[str, dict[int, SplitInput]]:
+    shape = "{item index: {dim, whole, expected_dims}}"
+    if not isinstance(raw, dict):
+        raise bad(f"'tp_split_inputs' must map forward input names to {shape}")
+    result = {}
+    for name, items in raw.items():
+        if not (isinstance(name, str) and _IDENTIFIER.match(name)) or not isinstance(items, dict) or not items:
+            raise bad(f"tp_split_inputs entry {name!r} must map a forward input's name to {shape}")
+        specs = {}
+        for index, spec in items.items():
+            where = f"tp_split_inputs {name} item {index}"
+            if not (isinstance(index, str) and index.isdigit()):
+                raise bad(f"{where}: the key must be an item index (0, 1, ...)")
+            if not isinstance(spec, dict) or set(spec) - {"dim", "whole", "expected_dims"}:
+                raise bad(f"{where} must be {{'dim': int, 'whole': int, 'expected_dims': int or null}}")
+            whole = spec.get("whole")
+            if not _is_int(whole) or whole < 1:
+                raise bad(f"{where}: 'whole' must be the width of the dim across every head, a whole number >= 1")
+            seq = _parse_seq_dim({k: v for k, v in spec.items() if k != "whole"}, f"{name} item {index}", bad,
+                                 "tp_split_inputs")  # fmt: skip
+            specs[int(index)] = SplitInput(seq.dim, whole, seq.expected_dims)
+        result[name] = specs
     return result
 
 
@@ -534,6 +618,13 @@ def valid_tp_degrees(plan: Plan, resolved: Mapping[str, TensorLayout], config: M
 
 
 def check_tp(plan: Plan, resolved: Mapping[str, TensorLayout], tp: int, config: Mapping[str, Any]) -> None:
+    for name, layout in resolved.items():  # a rank computes one KV head: the degree must be a multiple of them
+        kv_heads = layout.style.blocks if layout.style.name == "kv_head_select" else None
+        if isinstance(kv_heads, int) and tp % kv_heads:
+            raise PlanError(
+                f"{plan.origin}: --tp {tp} is not a multiple of the {kv_heads} KV heads {name} computes one of per "
+                "rank (kv_head_select, inferred at a larger degree); convert from the source at this degree instead"
+            )
     for what, size in _split_sizes(plan, resolved, config):
         if size % tp:
             valid = ", ".join(map(str, valid_tp_degrees(plan, resolved, config)))

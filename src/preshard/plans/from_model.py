@@ -54,7 +54,7 @@ def build_on_meta(cls: type, config: dict[str, Any]) -> nn.Module:
 
 
 def plan_from_model_class(
-    class_name: str, config: dict[str, Any], *, infer: bool = False, passed_over: str | None = None
+    class_name: str, config: dict[str, Any], *, infer: bool = False, passed_over: str | None = None, tp: int = 1
 ) -> Plan:
     """The plan `diffusers.<class_name>` declares (`_tp_plan`), resolved on a meta-device instance built from
     `config`; where it declares none, or `infer` asks for it, the plan inferred from its modules
@@ -64,13 +64,14 @@ def plan_from_model_class(
     Args:
         passed_over: why the built-in plan for the class was not used (its config differs), for the plan's
             description and origin.
+        tp: the TP degree an inferred plan is for (grouped KV heads it exceeds take `kv_head_select`).
     """
     cls = import_model_class(class_name)
     model = build_on_meta(cls, config)
     if infer or not getattr(cls, "_tp_plan", None):
         from preshard.plans.infer import infer_plan
 
-        plan = infer_plan(model, config)
+        plan = infer_plan(model, config, tp)
         cp = getattr(cls, "_cp_plan", None)
         if cp:
             plan = replace(

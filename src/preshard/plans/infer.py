@@ -5,6 +5,9 @@ runs replicated, unchanged and correct:
 - attention (diffusers' modules with a processor): the q/k/v projections (separate, Kandinsky's `to_query`/
   `to_key`/`to_value` too, or fused `to_qkv`/`to_kv` as packed blocks, grouped KV heads included) and the added
   text projections colwise, the output projections (`out_layer` too) rowwise, the head-count attributes divided;
+  grouped KV heads that the TP degree exceeds (dividing it) computed one per rank, `kv_head_select`, their
+  attributes one head's worth (`one_kv_head`); a 3-D mask with a row per (batch, head) cut to the rank's heads
+  (`per_head_masks`);
   a q/k norm over one head (the query's width over the head count where no attribute gives it) or on the
   attention's input stays whole, one across all heads of a column-split projection takes `tp_rms_norm` or
   `tp_layer_norm`;
@@ -15,7 +18,7 @@ runs replicated, unchanged and correct:
 - single-stream blocks whose attention has no output projection and whose `proj_out` takes `cat([attn, mlp])`:
   `proj_out` packed rowwise with the attention's and the MLP's widths;
 - rotary tables that span every head at once (LTX-Video's, Mochi's per-head ones): each rank slices its part
-  (`tp_split_outputs`);
+  (`tp_split_outputs`), and of such tables given to the model's forward (`tp_split_inputs`);
 - AdaLN modulation projections, split along their (replicated) input with `replicated_input_rowwise`, only where
   together they are more than a tenth of the parameters (else the all-reduce costs more than the memory saved).
 
@@ -36,6 +39,7 @@ whole sequence); else none.
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -43,9 +47,10 @@ from typing import Any
 from torch import nn
 
 from preshard.errors import PlanError
-from preshard.format.plan import AttentionRule, LinearRule, Plan, SeqDim, matches
+from preshard.format.plan import AttentionRule, LinearRule, Plan, SeqDim, SplitInput, matches
 from preshard.format.styles import (
     Colwise,
+    KVHeadSelect,
     PackedColwise,
     PackedRowwise,
     ReplicatedInputRowwise,
@@ -63,6 +68,9 @@ HEAD_ATTRIBUTES = (
 )  # fmt: skip
 # config.json keys holding head counts: the TP degree must divide each.
 HEAD_CONFIG_KEYS = ("num_attention_heads", "num_key_value_heads", "num_kv_heads", "num_heads", "num_single_heads")
+KV_CONFIG_KEYS = ("num_key_value_heads", "num_kv_heads")
+# Attributes holding the grouped KV heads' count or width: one KV head's worth on a rank that computes one.
+KV_ATTRIBUTES = ("kv_heads", "num_kv_heads", "num_key_value_heads", "inner_kv_dim", "kv_inner_dim")
 ADALN_SHARE = 0.10  # modulation projections are split only above this share of the parameters
 
 _OUTPUT = re.compile(r"^(to_out(\.0)?|to_add_out|to_out_t|o_proj|out_proj|out_layer|.*attn_proj|.*_out)$")
@@ -77,13 +85,16 @@ _MLP_NAME = re.compile(r"^(ff|ffn|mlp|feed_forward|ff_context|ffn_context|mlp_co
 _ADALN = re.compile(r"(^|\.)(norm[^.]*\.linear|[^.]*adaln[^.]*|[^.]*modulation[^.]*)(\.|$)", re.IGNORECASE)
 
 
-def infer_plan(model: nn.Module, config: dict[str, Any] | None = None) -> Plan:
+def infer_plan(model: nn.Module, config: dict[str, Any] | None = None, tp: int = 1) -> Plan:
     """The TP plan `model`'s modules call for (see the module docstring); no CP plan (`plan_from_model_class`
     adds the class's `_cp_plan`, else the one `plans/infer_cp.py` infers, if any).
 
     Args:
         model: the model, on the meta device (no memory needed).
         config: its config.json, for the head counts the TP degree must divide.
+        tp: the TP degree it is for: where it exceeds an attention's grouped KV heads (which divide it, and it the
+            query heads), the separate k/v projections take `kv_head_select` (each rank computes the one KV head
+            its query heads share) instead of being split.
 
     Returns:
         A plan named after the class, origin "inferred plan for CLASS".
@@ -96,11 +107,13 @@ def infer_plan(model: nn.Module, config: dict[str, Any] | None = None) -> Plan:
     modules = dict(model.named_modules())
     styles: dict[str, Style] = {}
     divides: dict[str, tuple[str, ...]] = {}
+    selected: dict[str, tuple[tuple[str, int], ...]] = {}  # attention -> its one_kv_head attributes
     attention = [name for name, m in modules.items() if name and is_attention(m)]
     outputless: dict[str, int] = {}  # attention modules with no output projection -> their output width
     for name in attention:
         width = _attention(origin, name, modules[name], styles, divides)
         _differential(origin, name, modules[name], styles)
+        _kv_head_select(origin, name, modules[name], tp, styles, divides, selected)
         if width is not None:
             outputless[name] = width
     widths: dict[str, tuple[str, ...]] = {}  # blocks -> their attributes holding a split MLP width
@@ -116,6 +129,8 @@ def infer_plan(model: nn.Module, config: dict[str, Any] | None = None) -> Plan:
             _block_mlp(name, module, styles)
     _adaln(model, modules, styles)
     split_outputs = _rotary_across_heads(modules, styles, attention, inside)
+    split_inputs = _rotary_inputs(model, modules, split_outputs)
+    masked = {name for name in attention if _takes_mask(modules[name])}
     if not any(style.name != "replicate" for style in styles.values()):
         raise PlanError(
             f"{origin}: found no attention or feed-forward module to shard in {cls.__name__}; "
@@ -125,12 +140,18 @@ def infer_plan(model: nn.Module, config: dict[str, Any] | None = None) -> Plan:
     return Plan(
         name=f"inferred-{cls.__name__}",
         linear=tuple(_fold_rules(styles, modules)),
-        attention=(*_fold_attention(divides, modules), *_fold_attention(widths, modules, context_parallel=False)),
-        config_divisible=tuple(k for k in HEAD_CONFIG_KEYS if _is_int(config.get(k))),
+        attention=(
+            *_fold_attention(divides, modules, masked=masked, selected=selected),
+            *_fold_attention(widths, modules, context_parallel=False),
+        ),
+        config_divisible=tuple(
+            k for k in HEAD_CONFIG_KEYS if _is_int(config.get(k)) and not (selected and k in KV_CONFIG_KEYS)
+        ),
         model_classes=(cls.__name__,),
         description=f"inferred by preshard from the modules of {cls.__name__}",
         origin=origin,
         tp_split_outputs=split_outputs,
+        tp_split_inputs=split_inputs,
     )
 
 
@@ -226,6 +247,47 @@ def _attention(
         raise PlanError(f"{origin}: attention {name} has no integer head count (heads) to divide by the TP degree")
     divides[name] = attrs
     return width if outputs == 0 else None
+
+
+def _kv_head_select(
+    origin: str,
+    name: str,
+    module: nn.Module,
+    tp: int,
+    styles: dict[str, Style],
+    divides: dict[str, tuple[str, ...]],
+    selected: dict[str, tuple[tuple[str, int], ...]],
+) -> None:
+    """Grouped KV heads that `tp` exceeds (KV heads dividing `tp`, `tp` dividing the query heads): the k/v
+    projections (column-split Linears as wide as the KV heads) keep their weights whole and each rank computes the
+    KV head its query heads share (`kv_head_select`); the KV attributes become one head's worth (`one_kv_head`)
+    instead of being divided. A fused projection holding the KV heads cannot be computed so: refused, naming it."""
+    heads = next((v for a in ("heads", "num_heads", "num_attention_heads") if (v := _int_attr(module, a))), None)
+    kv = next((v for a in KV_ATTRIBUTES[:3] if (v := _int_attr(module, a)) is not None), None)
+    head_dim = _head_dim(module)
+    inner_kv = next((v for a in KV_ATTRIBUTES[3:] if (v := _int_attr(module, a)) is not None), None)
+    if kv is None and inner_kv is not None and head_dim and inner_kv % head_dim == 0:
+        kv = inner_kv // head_dim  # diffusers' Attention keeps the KV width only (`inner_kv_dim`)
+    if tp == 1 or heads is None or kv is None or head_dim is None or kv >= heads or kv % tp == 0:
+        return
+    if tp % kv or heads % tp:
+        return  # no KV head per rank: the divided attributes name the degrees that work
+    width = kv * head_dim
+    for child, sub in module.named_modules():
+        full = f"{name}.{child}"
+        style = styles.get(full)
+        if not isinstance(sub, nn.Linear) or style is None:
+            continue
+        if isinstance(style, PackedColwise) and isinstance(style.blocks, tuple) and width in style.blocks:
+            raise PlanError(
+                f"{origin}: {full} fuses the {kv} grouped KV heads of {name} with other features, and --tp {tp} "
+                f"exceeds them, so no rank can hold whole KV heads of it; use a --tp that divides {kv}, or a plan file"
+            )
+        if isinstance(style, Colwise) and not isinstance(style, PackedColwise) and sub.out_features == width:
+            styles[full] = KVHeadSelect(blocks=kv)
+    kv_attrs = tuple(a for a in KV_ATTRIBUTES if _int_attr(module, a) is not None)
+    divides[name] = tuple(a for a in divides[name] if a not in kv_attrs)
+    selected[name] = tuple((a, kv) for a in kv_attrs)
 
 
 def _differential(origin: str, name: str, module: nn.Module, styles: dict[str, Style]) -> None:
@@ -453,6 +515,48 @@ def _rotary_across_heads(
     return found
 
 
+def _rotary_inputs(
+    model: nn.Module, modules: dict[str, nn.Module], split_outputs: dict[str, dict[int, SeqDim]]
+) -> dict[str, dict[int, SplitInput]]:
+    """Forward inputs holding (cos, sin) rotary tables that span every head (the SANA-WM LTX-2 refiner's
+    `video_rotary_emb`, made by its own `rope` module, which the pipeline calls apart): each rank slices them as
+    that module's output (`_rotary_across_heads`). The input `X_rotary_emb` goes with the rotary module whose name
+    holds X, else with the unprefixed one (`rope`); one whose module is not found unambiguously is left alone."""
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    found: dict[str, dict[int, SplitInput]] = {}
+    tables = {name: spec for name, spec in split_outputs.items() if "." not in name}
+    for param in parameters:
+        match = re.fullmatch(r"(?:(\w+)_)?(rotary_emb|rope|rotary_pos_emb|freqs_cis)", param)
+        if not match or not tables:
+            continue
+        prefix = match.group(1)
+        named = [n for n in tables if prefix and prefix in n]
+        plain = [n for n in tables if re.fullmatch(r"rope|rotary_emb|rotary_pos_emb|pos_embed", n)]
+        chosen = named or plain
+        if len(chosen) != 1:
+            continue
+        module = modules[chosen[0]]
+        split = tables[chosen[0]][0].expected_dims == 4  # per-head tables [B, H, S, D/2]: split on the heads
+        whole = _int_attr(module, "num_attention_heads") if split else _int_attr(module, "dim")
+        if whole is None:
+            continue
+        found[param] = {i: SplitInput(1, whole, 4) if split else SplitInput(-1, whole) for i in (0, 1)}
+    return found
+
+
+def _takes_mask(module: nn.Module) -> bool:
+    """An attention module whose forward takes the hidden states and an attention mask (diffusers' `Attention`:
+    a 3-D mask may come with a row per batch item and head, `prepare_attention_mask`'s layout)."""
+    try:
+        parameters = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "hidden_states" in parameters and "attention_mask" in parameters and _int_attr(module, "heads") is not None
+
+
 def _fold(name: str) -> str:
     """Numbered blocks as `*`, but a last component kept (`to_out.0` must not also name the Dropout `to_out.1`)."""
     head, dot, last = name.rpartition(".")
@@ -476,17 +580,26 @@ def _fold_rules(styles: dict[str, Style], modules: dict[str, nn.Module]) -> Iter
 
 
 def _fold_attention(
-    divides: dict[str, tuple[str, ...]], modules: dict[str, nn.Module], context_parallel: bool = True
+    divides: dict[str, tuple[str, ...]],
+    modules: dict[str, nn.Module],
+    context_parallel: bool = True,
+    masked: set[str] | None = None,
+    selected: dict[str, tuple[tuple[str, int], ...]] | None = None,
 ) -> list[AttentionRule]:
+    masked, selected = masked or set(), selected or {}
+
+    def rule(pattern: str, name: str) -> AttentionRule:
+        return AttentionRule(pattern, divides[name], context_parallel, name in masked, selected.get(name, ()))
+
     groups: dict[str, list[str]] = {}
     for name in divides:
         groups.setdefault(_fold(name), []).append(name)
     rules = []
     for pattern, names in groups.items():
-        kinds = {divides[n] for n in names}
+        kinds = {(divides[n], n in masked, selected.get(n, ())) for n in names}
         matched = [m for m in modules if m and matches(pattern, m)]
         if len(kinds) == 1 and len(matched) == len(names):
-            rules.append(AttentionRule(pattern, divides[names[0]], context_parallel))
+            rules.append(rule(pattern, names[0]))
         else:
-            rules += [AttentionRule(n, divides[n], context_parallel) for n in names]
+            rules += [rule(n, n) for n in names]
     return rules

@@ -113,9 +113,9 @@ def choose_plan(plan: str | Path | Plan | None, config: dict[str, Any] | None, t
     from preshard.plans.from_model import plan_from_model_class
 
     if passed_over is None:
-        return plan_from_model_class(class_name, config or {}, infer=auto)
+        return plan_from_model_class(class_name, config or {}, infer=auto, tp=tp)
     try:  # the built-in plan is made for another variant of the class: the next source decides, saying why
-        plan = plan_from_model_class(class_name, config or {}, passed_over=passed_over)
+        plan = plan_from_model_class(class_name, config or {}, passed_over=passed_over, tp=tp)
     except PlanError as exc:
         raise PlanError(f"{passed_over}, and no other plan fits: {exc}") from None
     if plan.cp_plan and found is not None and found.config_requires and not plan.cp_config_requires:

@@ -17,7 +17,8 @@ rank's device): a real mutation, which every compiler keeps. (Registering the op
 enough: torch 2.9's inductor drops an op with no output.) Mode
 "broadcast" replaces every rank's tensor inputs by rank 0's instead (after checking that names, dtypes and
 shapes agree), for callers that cannot make their ranks agree. The hook's state (the mode) lives on the
-model, as `model.preshard_input_check`.
+model, as `model.preshard_input_check`. Inputs the plan's `tp_split_inputs` names are neither compared nor
+broadcast: a rank may be given its own part of them (rotary tables the sharded model's own rotary module made).
 """
 
 import inspect
@@ -59,18 +60,22 @@ class InputCheck:
     positional: tuple[str, ...]  # forward's parameter names, to name positional arguments
     model: str  # the model's class name, for messages
     checked: torch.Tensor  # int64 [1] on the device: forwards checked (or broadcast) so far; the ops add one
+    skipped: tuple[str, ...] = ()  # inputs left out (each rank may hold its own part: `tp_split_inputs`)
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if self.mode == "off":
             return None
         leaves: list[tuple[str, torch.Tensor]] = []
-        for i, value in enumerate(args):
-            _collect(value, self.positional[i] if i < len(self.positional) else f"args[{i}]", leaves)
+        arg_names = [self.positional[i] if i < len(self.positional) else f"args[{i}]" for i in range(len(args))]
+        for name, value in zip(arg_names, args):
+            if name not in self.skipped:
+                _collect(value, name, leaves)
         # In the order of forward's signature (then any others by name): the same on every rank.
         keys = [name for name in self.positional if name in kwargs]
         keys += sorted([key for key in kwargs if key not in self.positional])
         for key in keys:
-            _collect(kwargs[key], key, leaves)
+            if key not in self.skipped:
+                _collect(kwargs[key], key, leaves)
         names = "\n".join([name for name, _ in leaves])
         tensors = [t for _, t in leaves]
         context = f"{self.model}\n{self.device}"
@@ -80,8 +85,13 @@ class InputCheck:
         counted, *replaced = torch.ops.preshard.broadcast_inputs(self.checked, tensors, names, context)
         self.checked.copy_(counted)
         position = [0]
-        new_args = tuple(_replace(value, replaced, position) for value in args)
-        new_kwargs = {key: _replace(kwargs[key], replaced, position) for key in keys}
+        new_args = tuple(
+            value if name in self.skipped else _replace(value, replaced, position)
+            for name, value in zip(arg_names, args)
+        )
+        new_kwargs = {
+            key: kwargs[key] if key in self.skipped else _replace(kwargs[key], replaced, position) for key in keys
+        }
         return new_args, new_kwargs
 
 
@@ -100,13 +110,14 @@ def parse_mode(check_inputs: bool | str) -> str:
     raise UsageError(f"check_inputs={check_inputs!r}: use True (compare on every forward), False, or 'broadcast'")
 
 
-def attach_input_check(model: nn.Module, mode: str, device: torch.device) -> InputCheck:
+def attach_input_check(model: nn.Module, mode: str, device: torch.device, skipped: tuple[str, ...] = ()) -> InputCheck:
     """Register the check as the model's first forward pre-hook and keep its state on the model.
 
     Args:
         model: the loaded, sharded model.
         mode: "check", "broadcast" or "off" (see `parse_mode`).
         device: the rank's device, where the fingerprints are exchanged.
+        skipped: forward inputs neither compared nor broadcast (a rank may hold its own part of them).
 
     Returns:
         The check, also at `model.preshard_input_check`.
@@ -122,6 +133,7 @@ def attach_input_check(model: nn.Module, mode: str, device: torch.device) -> Inp
         positional=tuple(positional),
         model=type(model).__name__,
         checked=torch.zeros(1, dtype=torch.int64, device=device),
+        skipped=skipped,
     )
     changes = ModelChanges.of(model)
     changes.set_attribute(model, "", CHECK_ATTRIBUTE, check)

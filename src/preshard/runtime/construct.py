@@ -285,4 +285,6 @@ def divide_heads(model: nn.Module, manifest: Manifest) -> dict[str, list[str]]:
                 setattr(module, attr, value)
             if rule.divide:
                 divided[name] = list(rule.divide)
+            if rule.one_kv_head and tp > 1:
+                divided.setdefault(name, []).extend(f"{attr}: one KV head" for attr, _ in rule.one_kv_head)
     return divided

@@ -48,6 +48,8 @@ from preshard.runtime.tp import (
     parallelize_linear,
     parallelize_module,
     parallelize_norms,
+    slice_head_masks,
+    split_inputs,
     split_outputs,
 )
 from preshard.units import plural
@@ -294,6 +296,8 @@ def _load_held(
     tp_hooks = {
         **parallelize_norms(net, manifest.plan, groups.tp, tp_rank, manifest.tp, changes),
         **split_outputs(net, manifest.plan, tp_rank, manifest.tp, changes),
+        **split_inputs(net, manifest.plan, tp_rank, manifest.tp, changes),
+        **slice_head_masks(net, manifest.plan, tp_rank, manifest.tp, changes),
     }
     dequantize_to = quant.compute_dtype(net, cast.torch if cast is not None else None)
     tp_hooks.update(quant.attach(net, quantized, dequantize_to))

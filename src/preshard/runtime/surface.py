@@ -45,6 +45,7 @@ def attach_model_surface(
     )
     attach_device_guard(model, rank_device.device, mesh.world_size)
     if mesh.world_size > 1 and input_mode != "off":
-        attach_input_check(model, input_mode, rank_device.device)
+        own_parts = tuple(manifest.plan.tp_split_inputs) if manifest.tp > 1 else ()  # each rank's part may differ
+        attach_input_check(model, input_mode, rank_device.device, own_parts)
         what = "rank 0's broadcast to" if input_mode == "broadcast" else "fingerprints compared across"
         report.input_check = f"{what} ranks 0-{mesh.world_size - 1} on every forward"

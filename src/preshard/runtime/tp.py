@@ -1,5 +1,6 @@
 """Tensor-parallel forward for styles that rewire their module (rowwise and its variants, the TP RMSNorm), and
-the slicing of replicated outputs that each rank needs only its heads of.
+the slicing of replicated outputs, of forward inputs and of per-head attention masks that each rank needs only its
+heads of (hooks: what the model computes or is given whole, attention holding this rank's heads reads in part).
 
 A row-parallel layer's partial products are summed with an all-reduce over the TP group and the bias is
 added once, after the reduce. That ordering cannot be expressed with forward hooks around
@@ -17,14 +18,16 @@ split by whole experts (`split_experts`) is switched likewise, its forward calli
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
 from preshard.errors import PlanError
-from preshard.format.plan import Plan, SeqDim, matches
+from preshard.format.plan import Plan, SeqDim, SplitInput, matches
 from preshard.format.styles import Style, TPNorm
 from preshard.runtime import collectives
 from preshard.runtime.changes import ModelChanges
@@ -315,5 +318,161 @@ def split_outputs(
             dims = ", ".join(f"output {i} dim {spec.dim}" for i, spec in specs.items())
             described[name] = f"tp: keep this rank's slice of {dims}"
             handle = modules[name].register_forward_hook(_split_outputs_hook(name, specs, tp_rank, tp))
+            (changes or ModelChanges(model)).hook(name, described[name], handle)
+    return described
+
+
+def _narrow_item(x: Any, where: str, spec: SplitInput, tp_rank: int, tp: int) -> torch.Tensor:
+    """This rank's part of one item spanning every head, or the item itself where it is already that narrow."""
+    if not isinstance(x, torch.Tensor) or (spec.expected_dims is not None and x.dim() != spec.expected_dims):
+        got = f"{x.dim()} dims" if isinstance(x, torch.Tensor) else type(x).__name__
+        want = f"a tensor with {spec.expected_dims} dims" if spec.expected_dims is not None else "a tensor"
+        raise PlanError(f"tensor parallel: {where} is {got}, the plan's tp_split_inputs expects {want}")
+    dim = spec.dim % x.dim()
+    width = spec.whole // tp
+    if x.shape[dim] == width:  # made by the sharded model's own rotary module: this rank's part already
+        return x
+    if x.shape[dim] != spec.whole:
+        raise PlanError(
+            f"tensor parallel: {where} has {x.shape[dim]} entries on dim {dim}, neither the {spec.whole} of every "
+            f"head nor this rank's {width}; pass the tables the model's rotary embedding makes for its config"
+        )
+    return x.narrow(dim, tp_rank * width, width)
+
+
+def _positions(signature: inspect.Signature, names: Iterable[str]) -> dict[str, int | None]:
+    """Where each of `names` stands among forward's positional parameters (None: keyword only)."""
+    positional = [
+        p.name for p in signature.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    return {name: positional.index(name) if name in positional else None for name in names}
+
+
+def _get(args: tuple, kwargs: dict, name: str, index: int | None) -> Any:
+    """An input by name or position (plain tuple and dict reads: torch.compile traces them)."""
+    if name in kwargs:
+        return kwargs[name]
+    return args[index] if index is not None and index < len(args) else None
+
+
+def _put(args: tuple, kwargs: dict, name: str, index: int | None, value: Any) -> tuple[tuple, dict]:
+    if name in kwargs or index is None:
+        return args, {**kwargs, name: value}
+    return (*args[:index], value, *args[index + 1 :]), kwargs
+
+
+def _split_inputs_hook(
+    positions: dict[str, int | None], specs: dict[str, dict[int, SplitInput]], tp_rank: int, tp: int
+):
+    def hook(module, args, kwargs):
+        changed = False
+        for name, items in specs.items():
+            value = _get(args, kwargs, name, positions[name])
+            if value is None:
+                continue
+            single = isinstance(value, torch.Tensor)
+            parts = [value] if single else list(value)
+            for i, spec in items.items():
+                if i >= len(parts):
+                    raise PlanError(
+                        f"tensor parallel: input {name} has no item {i}, which the plan's tp_split_inputs slices"
+                    )
+                parts[i] = _narrow_item(parts[i], f"item {i} of input {name}", spec, tp_rank, tp)
+            args, kwargs = _put(args, kwargs, name, positions[name], parts[0] if single else type(value)(parts))
+            changed = True
+        return (args, kwargs) if changed else None
+
+    return hook
+
+
+def split_inputs(
+    model: nn.Module, plan: Plan, tp_rank: int, tp: int, changes: ModelChanges | None = None
+) -> dict[str, str]:
+    """Each TP rank slices the forward inputs `plan.tp_split_inputs` names to its part (rotary tables across every
+    head given to the model's forward, consumed by attention that holds this rank's heads only): a pre-hook on
+    the model.
+
+    Returns:
+        The hook's description by module name ("" for the model), empty where the plan names no input.
+
+    Raises:
+        PlanError: an input the model's forward does not take.
+    """
+    if tp == 1 or not plan.tp_split_inputs:
+        return {}
+    signature = inspect.signature(model.forward)
+    missing = sorted(set(plan.tp_split_inputs) - set(signature.parameters))
+    if missing:
+        raise PlanError(
+            f"tp_split_inputs names {missing}, which {type(model).__name__}.forward does not take; the plan does not "
+            "fit this model"
+        )
+    what = "; ".join(
+        f"{name} item {i} dim {spec.dim} ({spec.whole} -> {spec.whole // tp})"
+        for name, items in plan.tp_split_inputs.items()
+        for i, spec in items.items()
+    )
+    described = f"tp: keep this rank's slice of input {what}"
+    handle = model.register_forward_pre_hook(
+        _split_inputs_hook(_positions(signature, plan.tp_split_inputs), plan.tp_split_inputs, tp_rank, tp),
+        with_kwargs=True,
+    )
+    (changes or ModelChanges(model)).hook("", described, handle)
+    return {"": described}
+
+
+def _head_masks_hook(positions: dict[str, int | None], heads: int, tp_rank: int, tp: int):
+    def hook(module, args, kwargs):
+        mask = _get(args, kwargs, "attention_mask", positions["attention_mask"])
+        hidden = _get(args, kwargs, "hidden_states", positions["hidden_states"])
+        if not isinstance(mask, torch.Tensor) or not isinstance(hidden, torch.Tensor) or mask.dim() != 3:
+            return None
+        batch = hidden.shape[0]
+        if mask.shape[0] != batch * heads:
+            return None  # one row per batch item (repeated by the local heads in the processor), or broadcast
+        local = heads // tp
+        rows = mask.view(batch, heads, *mask.shape[1:])[:, tp_rank * local : (tp_rank + 1) * local]
+        return _put(
+            args, kwargs, "attention_mask", positions["attention_mask"], rows.reshape(batch * local, *mask.shape[1:])
+        )
+
+    return hook
+
+
+def slice_head_masks(
+    model: nn.Module, plan: Plan, tp_rank: int, tp: int, changes: ModelChanges | None = None
+) -> dict[str, str]:
+    """For attention rules with `per_head_masks`: a 3-D attention mask with one row per (batch, head) of the full
+    head count (diffusers' layout, batch-major, as `prepare_attention_mask` repeats it) is cut to the rows of this
+    rank's heads before the module sees it. Call after the head counts are divided.
+
+    Returns:
+        The description of each hook, by module name.
+
+    Raises:
+        PlanError: a module with no `heads` or whose forward takes no `hidden_states` and `attention_mask`.
+    """
+    described: dict[str, str] = {}
+    if tp == 1:
+        return described
+    modules = dict(model.named_modules())
+    for rule in plan.attention:
+        if not rule.per_head_masks:
+            continue
+        for name in [n for n in modules if n and matches(rule.match, n)]:
+            module = modules[name]
+            signature = inspect.signature(module.forward)
+            local = getattr(module, "heads", None)
+            if not isinstance(local, int) or not {"hidden_states", "attention_mask"} <= set(signature.parameters):
+                raise PlanError(
+                    f"the plan cuts per-head attention masks at {name}, which has no integer heads or whose forward "
+                    "takes no hidden_states and attention_mask; the plan does not fit this model"
+                )
+            heads = local * tp
+            described[name] = f"tp: 3-D attention mask of {heads} heads' rows per batch item: keep this rank's {local}"
+            handle = module.register_forward_pre_hook(
+                _head_masks_hook(_positions(signature, ("hidden_states", "attention_mask")), heads, tp_rank, tp),
+                with_kwargs=True,
+            )
             (changes or ModelChanges(model)).hook(name, described[name], handle)
     return described
