@@ -38,7 +38,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from preshard.format.plan import CPEntry, SeqDim
-from preshard.plans.infer_cp_blocks import IMAGE, TEXT, InferredCP, block_list_plan
+from preshard.plans.infer_cp_blocks import IMAGE, TEXT, InferredCP, block_list_plan, sdpa_call
 
 _INPUTS = ("hidden_states", "encoder_hidden_states", "img_ids", "txt_ids", "timestep")
 _SDPA = F.scaled_dot_product_attention
@@ -59,10 +59,7 @@ class _Recorder(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is _SDPA:
-            query = args[0] if args else kwargs["query"]
-            key = args[1] if len(args) > 1 else kwargs["key"]
-            mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
-            self.record.attention.append((query.shape[-2], key.shape[-2], mask is not None))
+            self.record.attention.append(sdpa_call(args, kwargs))
             self.record.events.append("sdpa")
         elif func is torch.cat:
             tensors = args[0] if args else kwargs.get("tensors", ())

@@ -71,6 +71,14 @@ class _Probe:
     step: int = 0
 
 
+def sdpa_call(args: tuple, kwargs: dict[str, Any]) -> tuple[int, int, bool]:
+    """An SDPA call's query rows, key rows and whether it has a mask, from its arguments as given."""
+    query = args[0] if args else kwargs["query"]
+    key = args[1] if len(args) > 1 else kwargs["key"]
+    mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+    return query.shape[-2], key.shape[-2], mask is not None
+
+
 class _Recorder(TorchFunctionMode):
     def __init__(self, probe: _Probe) -> None:
         super().__init__()
@@ -81,11 +89,8 @@ class _Recorder(TorchFunctionMode):
         probe = self.probe
         probe.step += 1
         if func is _SDPA:
-            query = args[0] if args else kwargs["query"]
-            key = args[1] if len(args) > 1 else kwargs["key"]
-            mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
             module = probe.active[-1] if probe.active else ""
-            probe.attention.append((module, query.shape[-2], key.shape[-2], mask is not None, probe.step))
+            probe.attention.append((module, *sdpa_call(args, kwargs), probe.step))
         elif func is torch.cat:
             tensors = args[0] if args else kwargs.get("tensors", ())
             dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)

@@ -44,7 +44,6 @@ from preshard.runtime.surface import attach_model_surface
 from preshard.runtime.tp import (
     ParallelEmbedding,
     ParallelLinear,
-    parallelize_experts,
     parallelize_linear,
     parallelize_module,
     parallelize_norms,
@@ -277,10 +276,10 @@ def _load_held(
         if description is not None:
             report.add_hook(module_name, description)
     for module_name, style in experts.items():
-        description = parallelize_experts(
-            sharded[module_name], style, groups.tp, tp_rank, manifest.tp, changes, module_name
-        )
-        report.add_hook(module_name, description)
+        module = sharded[module_name]
+        description = parallelize_module(module, style, groups.tp, tp_rank, manifest.tp, changes, module_name)
+        if description is not None:
+            report.add_hook(module_name, description)
     embeddings = {  # split by vocabulary, and the modules tied to a split tensor (a tied lm_head)
         **{n: manifest.tensors[f"{n}.weight"].layout.style for n, m in sharded.items() if isinstance(m, nn.Embedding)},
         **tied,

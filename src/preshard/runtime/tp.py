@@ -150,9 +150,12 @@ def parallelize_module(
     changes: ModelChanges | None = None,
     where: str = "",
 ) -> str | None:
-    """`parallelize_embedding` for an embedding style, else `parallelize_linear`."""
+    """`parallelize_embedding` for an embedding style, `parallelize_experts` for an experts one, else
+    `parallelize_linear`."""
     if style.module_kind == "embedding":
         return parallelize_embedding(module, style, group, tp_rank, tp, changes, where)  # type: ignore[arg-type]
+    if style.module_kind == "experts":
+        return parallelize_experts(module, style, group, tp_rank, tp, changes, where)
     return parallelize_linear(module, style, group, tp_rank, tp, changes, where)  # type: ignore[arg-type]
 
 
