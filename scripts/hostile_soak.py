@@ -764,8 +764,8 @@ class Soak:
 
 
 def job_rank(rank: int, world_size: int, checkpoint: str, other: str, plan: str, overwrite: bool, folder: str) -> str:
-    """One rank of a two-rank job: rank 1 waits until rank 0 is in the agreement, then (if `overwrite`) replaces the
-    checkpoint with a conversion of another source, and loads."""
+    """One rank of a two-rank job: rank 1, once both ranks have joined the load, waits to open the checkpoint until
+    rank 0 is in the checkpoint agreement, then (if `overwrite`) replaces it with a conversion of another source."""
     from multiproc import init_gloo
 
     from preshard.converter.convert import convert_checkpoint
@@ -782,11 +782,17 @@ def job_rank(rank: int, world_size: int, checkpoint: str, other: str, plan: str,
 
         load.agree_on_checkpoint = announce
     else:
-        deadline = time.monotonic() + 120
-        while not marker.exists() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        if overwrite:
-            convert_checkpoint(other, checkpoint, tp=2, plan=plan, overwrite=True, progress=False)
+        real_open = load._open_checkpoint
+
+        def open_late(*args, **kwargs):
+            deadline = time.monotonic() + 120
+            while not marker.exists() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if overwrite:
+                convert_checkpoint(other, checkpoint, tp=2, plan=plan, overwrite=True, progress=False)
+            return real_open(*args, **kwargs)
+
+        load._open_checkpoint = open_late
     try:
         load.load_sharded(SyntheticModel, checkpoint, device="cpu")
     except PreshardError as exc:
