@@ -1175,13 +1175,11 @@ def cache_cases(soak: Soak) -> list[Case]:
     files = folder_files(soak.checkpoint)
     data = next(name for name in files if name.endswith(".distcp"))
     chunks = [c for t in read_manifest(soak.checkpoint).tensors.values() for c in t.chunks if c.data_length]
-    other_data: list[bytes] = []
+    _, _, other = build_checkpoint(soak.root / "other-seed", seed=1)  # the same layout: the same size, other weights
+    other_data = (other / data).read_bytes()
 
-    def another_conversion() -> bytes:  # the same layout from another seed: the same size, other weights
-        if not other_data:
-            _, _, other = build_checkpoint(soak.root / "other-seed", seed=1)
-            other_data.append((other / data).read_bytes())
-        return other_data[0]
+    def another_conversion() -> bytes:
+        return other_data
 
     def flip(where: str) -> Callable[[dict[str, bytes]], None]:
         def damage(blobs: dict[str, bytes]) -> None:
@@ -1245,8 +1243,10 @@ def group_cases(soak: Soak) -> list[Case]:
     load_sharded's timeout=, not the group's; the control loads. Ranks are processes (tests/support/group_rank.py)."""
     from group_rank import caught, error_lines, run_job
 
+    built = soak.h3_checkpoint()  # here, not in a case: its build is no case's time
+
     def checkpoint() -> Path:
-        return soak.h3_checkpoint()
+        return built
 
     def job(steps: list[list[dict]], survivors: list[int], fragment: str) -> Callable[[Path], str | None]:
         def case(folder: Path) -> str | None:
@@ -1301,6 +1301,7 @@ def lora_cases(soak: Soak) -> list[Case]:
 
     to_q = "transformer.transformer_blocks.0.attn.to_q"
     module = "transformer_blocks.0.attn.to_q"
+    soak.flux_lora()  # built here, not in a case: its build is no case's time
 
     def case(edit: Callable[[dict], None] | None, fragments: tuple[str, ...] | None, scale: str = "1.0"):
         def run(folder: Path) -> str | None:
