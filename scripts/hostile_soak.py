@@ -1,7 +1,7 @@
 """Hostile soak: a few hundred mixed cases a hostile user would try, through the command line and the library,
 and a count of what held.
 
-    python scripts/hostile_soak.py                       # every class, about 260 cases, a few minutes
+    python scripts/hostile_soak.py                       # every class, about 310 cases
     python scripts/hostile_soak.py --classes links,headers --seed 3
 
 Each case builds its own hostile input in a temporary folder, runs one command and checks the contract: one
@@ -37,6 +37,19 @@ Round 4 (issue 31):
 - reads: a flipped bit in a data file: refused by load_sharded's default (and verify=True); verify=False loads.
 - ranks: two gloo ranks, one never joining, one refused its device before joining, one asking another dtype:
   every rank that called load_sharded fails with one line; the control loads.
+- hub: a conversion from a Hub repo, and a load of a converted one, on a fake Hub on the loopback
+  (tests/support/fake_hub.py) answering 503 once, 429 twice with Retry-After, 503 always, dropping the connection
+  mid-body, cutting a body short, an X-Repo-Commit that is no commit hash, slowly (past a 1 s read timeout), or
+  other bytes of the same length: transient faults retried (counted from the fake Hub's request log) to the bytes a
+  local conversion writes; lasting ones one line, nothing written.
+- cache: a converted checkpoint in the HF cache, offline, a blob replaced by one of the same size (a flipped bit,
+  another conversion's data file, config.json or manifest.json edited): refused by load_sharded's default; the
+  control and verify=False load.
+- group: a gloo group the caller made with a 600 s timeout, each rank its own process (tests/support/group_rank.py):
+  a rank killed before load_sharded (rank 0, the store's server, too), refused its device, given another or a bad
+  dtype, or missing the checkpoint: every other rank exits 1 with one line within timeout=; the control loads.
+- lora: a LoRA with NaN or Inf in a factor or bias, an alpha of NaN or +-Inf, a --lora-scale of 1e300, nan or inf,
+  factors whose product overflows float32: one line naming the module, nothing written; the control converts.
 
 Prints one line per class (cases, held) and every failure; exits 1 on any failure.
 `tests/test_untrusted_input.py` runs a smaller mix in CI.
@@ -312,6 +325,37 @@ class Soak:
 
     def copy_checkpoint(self, folder: Path) -> Path:
         return Path(shutil.copytree(self.checkpoint, folder / "ck", symlinks=True))
+
+    def chunks(self) -> list:
+        """The records of the checkpoint's data files that hold bytes."""
+        from preshard.format.manifest import read_manifest
+
+        return [c for t in read_manifest(self.checkpoint).tensors.values() for c in t.chunks if c.data_length]
+
+    def h3_checkpoint(self) -> Path:
+        """The tiny MiniMax-H3 converted at tp=2 (a class diffusers has, for ranks that are their own processes),
+        built at the first call."""
+        checkpoint = self.root / "h3" / "tp2"
+        if not checkpoint.exists():
+            from preshard.converter.convert import convert_checkpoint
+            from preshard.examples.minimax_h3 import build_model, save_checkpoint
+
+            source = save_checkpoint(build_model(dtype="float32", seed=0), self.root / "h3" / "src" / "transformer")
+            convert_checkpoint(source, checkpoint, tp=2, progress=False)
+        return checkpoint
+
+    def flux_lora(self) -> tuple[Path, Path]:
+        """(a tiny Flux source, a LoRA with a bias on its block 0 attention), built at the first call."""
+        source = self.root / "flux" / "src"
+        lora = self.root / "flux" / "lora.safetensors"
+        if not lora.exists():
+            from tiny_diffusers import build, save
+            from tiny_lora import make_lora
+
+            model, _ = build("flux")
+            save(model, source)
+            make_lora(model, lora, pattern=r"transformer_blocks\.0\.attn\.to_[qkv]", bias=True)
+        return source, lora
 
     def run(self, cases: list[Case]) -> Stats:
         start = time.perf_counter()
@@ -720,8 +764,8 @@ class Soak:
 
 
 def job_rank(rank: int, world_size: int, checkpoint: str, other: str, plan: str, overwrite: bool, folder: str) -> str:
-    """One rank of a two-rank job: rank 1 waits until rank 0 is in the agreement, then (if `overwrite`) replaces the
-    checkpoint with a conversion of another source, and loads."""
+    """One rank of a two-rank job: rank 1, once both ranks have joined the load, waits to open the checkpoint until
+    rank 0 is in the checkpoint agreement, then (if `overwrite`) replaces it with a conversion of another source."""
     from multiproc import init_gloo
 
     from preshard.converter.convert import convert_checkpoint
@@ -738,11 +782,17 @@ def job_rank(rank: int, world_size: int, checkpoint: str, other: str, plan: str,
 
         load.agree_on_checkpoint = announce
     else:
-        deadline = time.monotonic() + 120
-        while not marker.exists() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        if overwrite:
-            convert_checkpoint(other, checkpoint, tp=2, plan=plan, overwrite=True, progress=False)
+        real_open = load._open_checkpoint
+
+        def open_late(*args, **kwargs):
+            deadline = time.monotonic() + 120
+            while not marker.exists() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if overwrite:
+                convert_checkpoint(other, checkpoint, tp=2, plan=plan, overwrite=True, progress=False)
+            return real_open(*args, **kwargs)
+
+        load._open_checkpoint = open_late
     try:
         load.load_sharded(SyntheticModel, checkpoint, device="cpu")
     except PreshardError as exc:
@@ -949,6 +999,358 @@ def rank_rank(rank: int, world_size: int, checkpoint: str, scenario: str) -> str
     return "loaded"
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Round 4, continued (issue 31): a Hub that stumbles (a FakeHub on the loopback), damaged HF-cache blobs of the same
+# size, a process group the caller made, LoRA factors that are not numbers
+
+HUB_SOURCE = "org/src"
+HUB_CHECKPOINT = "org/ck"
+
+
+@contextlib.contextmanager
+def hub_env(folder: Path, *, offline: bool = False, env: dict[str, str] | None = None, read_timeout: int | None = None):
+    """huggingface_hub pointed at a FakeHub on the loopback (none when `offline`), with a private HF_HOME under
+    `folder`, `env` set and its download read timeout at `read_timeout` s (HF_HUB_DOWNLOAD_TIMEOUT), for the block."""
+    import pytest
+    from fake_hub import FakeHub
+    from hub_fixtures import closed_port_endpoint, configure_hf
+    from huggingface_hub import close_session, constants
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    bars_were_disabled = are_progress_bars_disabled()
+    disable_progress_bars()
+    with pytest.MonkeyPatch.context() as mp, contextlib.ExitStack() as stack:
+        hub = None if offline else stack.enter_context(FakeHub())
+        configure_hf(mp, folder / "hf_home", hub.endpoint if hub else closed_port_endpoint(), offline=offline)
+        for name, value in (env or {}).items():
+            mp.setenv(name, value)
+        if read_timeout is not None:
+            mp.setenv("HF_HUB_DOWNLOAD_TIMEOUT", str(read_timeout))
+            mp.setattr(constants, "HF_HUB_DOWNLOAD_TIMEOUT", read_timeout)
+        close_session()
+        try:
+            yield hub
+        finally:
+            close_session()
+            if not bars_were_disabled:
+                enable_progress_bars()
+
+
+def folder_files(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def same_length_other_bytes(data: bytes) -> bytes:
+    """The last 16 bytes inverted: a safetensors file keeps its header, so only a hash can tell."""
+    return data[:-16] + bytes(b ^ 0xFF for b in data[-16:])
+
+
+RETRY_LINE = ("the Hub stumbled on ", "the download of ")  # one line per retry, before the error (hub_retry.py)
+
+
+def after_retries(outcome: Outcome) -> Outcome:
+    """`outcome` without the one line per retry that a stumbling Hub prints before the error, when every other line
+    is one (a retry line must be one line: a second line of it stays and fails `one_line`)."""
+    kept = [line for line in outcome.stderr.splitlines() if not line.startswith(RETRY_LINE)]
+    return Outcome(outcome.status, "\n".join(kept), outcome.stdout, outcome.error, outcome.seconds)
+
+
+def hub_cases(soak: Soak) -> list[Case]:
+    """A conversion from a Hub repo, and a load of a converted one, while the Hub stumbles: transient faults retried
+    and the result the same as from a local folder; lasting faults one line, nothing written."""
+    plan = str(soak.plan)
+    files = folder_files(soak.source)
+    weights = sorted(name for name in files if name.endswith(".safetensors"))[0]
+    local_data = {p.name: p.read_bytes() for p in soak.checkpoint.glob("*.distcp")}
+    info = f"/api/models/{HUB_SOURCE}/revision/main"
+
+    def gets(hub, suffix: str) -> int:
+        return sum(1 for r in hub.log() if r.method == "GET" and r.path.endswith(suffix))
+
+    def convert(
+        fault: dict | None, fragments: tuple[str, ...] | None, requests: tuple[str, int] | None = None, **options
+    ) -> Callable[[Path], str | None]:
+        """A conversion of HUB_SOURCE with `fault` injected; `fragments` None: it converts, to the bytes a local
+        conversion wrote, with `requests` (path suffix, GET count) made; else one line holding them."""
+
+        def case(folder: Path) -> str | None:
+            out = folder / "out"
+            with hub_env(folder, env=options.get("env"), read_timeout=options.get("read_timeout")) as hub:
+                hub.add_repo(HUB_SOURCE, files)
+                if options.get("served"):
+                    hub.repos[HUB_SOURCE].served[weights] = same_length_other_bytes(files[weights])
+                if fault:
+                    hub.fail(**fault)
+                outcome = run_cli("convert", HUB_SOURCE, out, "--tp", "1", "--plan", plan, "--no-progress")
+                counted = gets(hub, requests[0]) if requests else None
+            if fragments is not None:
+                return one_line(after_retries(outcome), *fragments) or (f"{out} was written" if out.exists() else None)
+            if outcome.status != 0:
+                return f"did not convert: {outcome.stderr[-400:]}"
+            if {p.name: p.read_bytes() for p in out.glob("*.distcp")} != local_data:
+                return "the data files differ from a local conversion's"
+            if requests and counted != requests[1]:
+                return f"{counted} GETs of {requests[0]}, wanted {requests[1]}"
+            return None
+
+        return case
+
+    def load(fault: dict | None, fragments: tuple[str, ...] | None, **options) -> Callable[[Path], str | None]:
+        """load_sharded of the converted checkpoint from the Hub with `fault`: loads the local bytes, or one line."""
+
+        def case(folder: Path) -> str | None:
+            from preshard.runtime.load import load_sharded
+
+            ck_files = folder_files(soak.checkpoint)
+            data = next(name for name in ck_files if name.endswith(".distcp"))
+            with hub_env(folder, env=options.get("env")) as hub:
+                hub.add_repo(HUB_CHECKPOINT, ck_files)
+                if options.get("served"):  # a byte inside a record flipped: the file's tail may hold no record
+                    chunk = soak.rng.choice([c for c in soak.chunks() if c.file == data])
+                    served = bytearray(ck_files[data])
+                    served[chunk.data_offset + chunk.data_length // 2] ^= 0x01
+                    hub.repos[HUB_CHECKPOINT].served[data] = bytes(served)
+                if fault:
+                    hub.fail(**{"path": data, **fault})
+                models: list[nn.Module] = []
+                outcome = run_library(lambda: models.append(load_sharded(SyntheticModel, HUB_CHECKPOINT, device="cpu")))
+            if fragments is not None:
+                return one_line(after_retries(outcome), *fragments)
+            if outcome.status != 0:
+                return f"did not load: {outcome.stderr[-400:]}"
+            mine = load_sharded(SyntheticModel, soak.checkpoint, device="cpu").state_dict()
+            theirs = models[0].state_dict()
+            return None if all(torch.equal(mine[k], theirs[k]) for k in mine) else "other weights than the local load"
+
+        return case
+
+    once = {"path": weights, "method": "GET"}
+    always = {**once, "times": None}
+    one_retry = {"env": {"PRESHARD_HUB_RETRIES": "1"}}
+    return [
+        Case("hub", "the control: no fault", convert(None, None, (weights, 1))),
+        Case("hub", "503 once on the repo info", convert({"kind": "status", "path": info}, None, (info, 2))),
+        Case("hub", "503 once on the weights", convert({"kind": "status", **once}, None, (weights, 2))),
+        Case("hub", "429 x2 with Retry-After on the repo info",
+             convert({"kind": "status", "path": info, "status": 429, "retry_after": 1, "times": 2}, None, (info, 3))),
+        Case("hub", "429 x2 with Retry-After on the weights",
+             convert({"kind": "status", **once, "status": 429, "retry_after": 1, "times": 2}, None, (weights, 3))),
+        Case("hub", "503 always on the weights",
+             convert({"kind": "status", **always}, (weights, "HTTP 503", "PRESHARD_HUB_RETRIES"), **one_retry)),
+        Case("hub", "connection dropped mid-body once", convert({"kind": "close", **once}, None)),
+        Case("hub", "connection dropped mid-body always",
+             convert({"kind": "close", **always}, (weights, "RemoteProtocolError"), **one_retry)),
+        Case("hub", "body cut short once", convert({"kind": "short", **once}, None, (weights, 2))),
+        Case("hub", "body cut short always",
+             convert({"kind": "short", **always}, (weights, "ended early"), **one_retry)),
+        Case("hub", "X-Repo-Commit not a hash",
+             convert({"kind": "commit", "path": weights, "method": "HEAD", "times": None}, ("not a commit hash",))),
+        Case("hub", "X-Repo-Commit a path out of the cache",
+             convert({"kind": "commit", "path": weights, "method": "HEAD", "times": None, "commit": "../../../escape"},
+                     ("not a commit hash",))),
+        Case("hub", "slow answer once", convert({"kind": "slow", **once, "delay": 6}, None, (weights, 2),
+                                                read_timeout=1)),
+        Case("hub", "slow answer always", convert({"kind": "slow", **always, "delay": 6}, (weights, "ReadTimeout"),
+                                                  read_timeout=1, **one_retry)),
+        Case("hub", "weights served with other bytes of the same length", convert(None, (weights, "sha256"),
+                                                                                   served=True)),
+        Case("hub", "load: the control", load(None, None)),
+        Case("hub", "load: 503 once on the data file", load({"kind": "status", "method": "GET"}, None)),
+        Case("hub", "load: data file cut short once", load({"kind": "short", "method": "GET"}, None)),
+        Case("hub", "load: data file dropped mid-body always",
+             load({"kind": "close", "method": "GET", "times": None}, ("__0_0.distcp",), **one_retry)),
+        Case("hub", "load: data file served with other bytes of the same length", load(None, ("checksum",),
+                                                                                       served=True)),
+    ]  # fmt: skip
+
+
+def cache_cases(soak: Soak) -> list[Case]:
+    """A converted checkpoint in the HF cache (offline) whose blobs were replaced by others of the same size:
+    refused by load_sharded's default; the undamaged control and verify=False load."""
+    from fake_hub import fake_commit, make_hf_cache
+
+    from preshard.format.manifest import read_manifest
+    from preshard.runtime.load import load_sharded
+
+    files = folder_files(soak.checkpoint)
+    data = next(name for name in files if name.endswith(".distcp"))
+    chunks = [c for t in read_manifest(soak.checkpoint).tensors.values() for c in t.chunks if c.data_length]
+    _, _, other = build_checkpoint(soak.root / "other-seed", seed=1)  # the same layout: the same size, other weights
+    other_data = (other / data).read_bytes()
+
+    def another_conversion() -> bytes:
+        return other_data
+
+    def flip(where: str) -> Callable[[dict[str, bytes]], None]:
+        def damage(blobs: dict[str, bytes]) -> None:
+            chunk = {"first": chunks[0], "last": chunks[-1], "random": soak.rng.choice(chunks)}[where]
+            raw = bytearray(blobs[data])
+            raw[chunk.data_offset + chunk.data_length // 2] ^= 0x01
+            blobs[data] = bytes(raw)
+
+        return damage
+
+    def replace_data(blobs: dict[str, bytes]) -> None:
+        blobs[data] = another_conversion()
+
+    def edit_text(name: str, old: bytes, new: bytes) -> Callable[[dict[str, bytes]], None]:
+        def damage(blobs: dict[str, bytes]) -> None:
+            assert len(old) == len(new) and old in blobs[name], (name, old)
+            blobs[name] = blobs[name].replace(old, new, 1)
+
+        return damage
+
+    def case(
+        damage: Callable[[dict[str, bytes]], None] | None, fragments: tuple[str, ...] | None, verify: bool = True
+    ) -> Callable[[Path], str | None]:
+        def run(folder: Path) -> str | None:
+            with hub_env(folder, offline=True):
+                snapshot = make_hf_cache(folder / "hf_home", HUB_CHECKPOINT, fake_commit("soak"), files)
+                if damage is not None:
+                    blobs = dict(files)
+                    damage(blobs)
+                    for name, raw in blobs.items():
+                        if raw != files[name]:
+                            assert len(raw) == len(files[name])
+                            (snapshot / name).resolve().write_bytes(raw)  # the blob, in place
+                outcome = run_library(lambda: load_sharded(SyntheticModel, HUB_CHECKPOINT, device="cpu", verify=verify))
+            if fragments is None:
+                return None if outcome.status == 0 else f"did not load: {outcome.stderr[-400:]}"
+            return one_line(outcome, *fragments)
+
+        return run
+
+    config = json.loads(files["config.json"])
+    width = str(config["width"]).encode()
+    return [
+        Case("cache", "the control: undamaged", case(None, None)),
+        Case("cache", "a flipped bit in the first chunk", case(flip("first"), ("checksum mismatch", data))),
+        Case("cache", "a flipped bit in the last chunk", case(flip("last"), ("checksum mismatch", data))),
+        Case("cache", "a flipped bit in a random chunk", case(flip("random"), ("checksum mismatch", data))),
+        Case("cache", "another conversion's data file", case(replace_data, ("checksum mismatch", data))),
+        Case("cache", "the control: verify=False loads a flipped bit", case(flip("random"), None, verify=False)),
+        Case("cache", "config.json edited, same size",
+             case(edit_text("config.json", b'"width": ' + width, b'"width": ' + str(int(width) + 1).encode()),
+                  ("config.json",))),
+        Case("cache", "manifest.json edited, same size",
+             case(edit_text("manifest.json", b'"tp": 1', b'"tp": 2'), ("manifest",))),
+    ]  # fmt: skip
+
+
+def group_cases(soak: Soak) -> list[Case]:
+    """A job whose caller made the gloo process group with a 600 s timeout: a rank killed before load_sharded, refused
+    its device, asking another dtype, or missing the checkpoint fails every other rank with one line within
+    load_sharded's timeout=, not the group's; the control loads. Ranks are processes (tests/support/group_rank.py)."""
+    from group_rank import caught, error_lines, run_job
+
+    built = soak.h3_checkpoint()  # here, not in a case: its build is no case's time
+
+    def checkpoint() -> Path:
+        return built
+
+    def job(steps: list[list[dict]], survivors: list[int], fragment: str) -> Callable[[Path], str | None]:
+        def case(folder: Path) -> str | None:
+            results = run_job(steps, checkpoint())
+            shown = []
+            for rank in survivors:
+                status, _, stderr = results[rank]
+                lines = error_lines(rank, stderr)
+                if status != 1 or len(lines) != 1 or fragment not in lines[0] or "Traceback" in "\n".join(stderr):
+                    return f"rank {rank}: exit {status}, {stderr[-3:]}"
+                shown.append(rank)
+            return None if shown == survivors else f"ranks {shown} reported, not {survivors}"
+
+        return case
+
+    def missing_on_one(folder: Path) -> str | None:
+        ck = checkpoint()
+        relative = {"checkpoint": f"./{ck.name}"}
+        results = run_job([[{"catch": relative, "cwd": str(ck.parent)}], [{"catch": relative, "cwd": str(folder)}]], ck)
+        errors = [caught(out) for _, out, _ in results]
+        if not all(len(e) == 1 and e[0] and e[0].startswith("CheckpointNotFoundError") for e in errors):
+            return f"{errors}"
+        return None if "rank 1 of the job failed to open" in (errors[0][0] or "") else f"{errors}"
+
+    def control(folder: Path) -> str | None:
+        results = run_job([[{"load": {}}], [{"load": {}}]], checkpoint())
+        return None if all(s == 0 and "loaded" in out for s, out, _ in results) else f"{results}"
+
+    timeout = {"load": {"timeout": 10}}
+    return [
+        Case("group", "rank 1 killed before load_sharded", job([[timeout], [{"kill": True}]], [0],
+                                                                 "rank 1 of 2 did not reach load_sharded")),
+        Case("group", "rank 0 (the store's) killed before load_sharded", job([[{"kill": True}], [timeout]], [1],
+                                                                          "lost the process group's store")),
+        Case("group", "rank 1 given device='cuda'", job([[{"load": {}}], [{"load": {"device": "cuda"}}]], [0, 1],
+                                                       "device 'cuda'")),
+        Case("group", "rank 1 given another dtype", job([[{"load": {}}], [{"load": {"dtype": "bf16"}}]], [0, 1],
+                                                       "different dtype")),
+        Case("group", "rank 1 given dtype='float7'", job([[{"load": {}}], [{"load": {"dtype": "float7"}}]], [0, 1],
+                                                        "float7")),
+        Case("group", "the checkpoint missing on rank 1", missing_on_one),
+        Case("group", "the control: the same request loads", control),
+    ]  # fmt: skip
+
+
+def lora_cases(soak: Soak) -> list[Case]:
+    """A LoRA whose factors, alpha or scale are not finite float32 numbers, or whose product overflows: one line
+    naming the module, nothing written; the control converts."""
+    import math
+
+    from safetensors.torch import load_file, save_file
+
+    to_q = "transformer.transformer_blocks.0.attn.to_q"
+    module = "transformer_blocks.0.attn.to_q"
+    soak.flux_lora()  # built here, not in a case: its build is no case's time
+
+    def case(edit: Callable[[dict], None] | None, fragments: tuple[str, ...] | None, scale: str = "1.0"):
+        def run(folder: Path) -> str | None:
+            source, lora = soak.flux_lora()
+            state = dict(load_file(str(lora)))
+            if edit is not None:
+                edit(state)
+            path = folder / "lora.safetensors"
+            save_file(state, str(path))
+            out = folder / "out"
+            outcome = run_cli("convert", source, out, "--tp", "2", "--lora", path, "--lora-scale", scale,
+                              "--no-progress")  # fmt: skip
+            if fragments is None:
+                return None if outcome.status == 0 else f"did not convert: {outcome.stderr[-400:]}"
+            return one_line(outcome, *fragments) or (f"{out} was written" if out.exists() else None)
+
+        return run
+
+    def fill(key: str, value: float, index: int = 0) -> Callable[[dict], None]:
+        def edit(state: dict) -> None:
+            tensor = state[f"{to_q}.{key}"].clone()
+            tensor.view(-1)[index] = value
+            state[f"{to_q}.{key}"] = tensor
+
+        return edit
+
+    def alpha(value: float) -> Callable[[dict], None]:
+        return lambda state: state.update({f"{to_q}.alpha": torch.tensor(value)})
+
+    def overflow(state: dict) -> None:
+        state[f"{to_q}.lora_B.weight"] = torch.full_like(state[f"{to_q}.lora_B.weight"], 3e38)
+        state[f"{to_q}.lora_A.weight"] = torch.full_like(state[f"{to_q}.lora_A.weight"], 10.0)
+
+    return [
+        Case("lora", "the control: finite factors", case(None, None)),
+        Case("lora", "NaN in lora_A", case(fill("lora_A.weight", math.nan), (module, "lora_A", "NaN or Inf"))),
+        Case("lora", "Inf in lora_B", case(fill("lora_B.weight", math.inf, 5), (module, "lora_B", "NaN or Inf"))),
+        Case("lora", "-Inf in lora_A", case(fill("lora_A.weight", -math.inf, 7), (module, "lora_A", "NaN or Inf"))),
+        Case("lora", "NaN in lora_B's bias", case(fill("lora_B.bias", math.nan), (module, "NaN or Inf"))),
+        Case("lora", "alpha NaN", case(alpha(math.nan), (module, "alpha"))),
+        Case("lora", "alpha Inf", case(alpha(math.inf), (module, "alpha"))),
+        Case("lora", "alpha -Inf", case(alpha(-math.inf), (module, "alpha"))),
+        Case("lora", "--lora-scale 1e300", case(None, (module, "scaling of"), scale="1e300")),
+        Case("lora", "--lora-scale nan", case(None, ("scale of LoRA", "must be a finite number"), scale="nan")),
+        Case("lora", "--lora-scale inf", case(None, ("scale of LoRA", "must be a finite number"), scale="inf")),
+        Case("lora", "factors whose product overflows", case(overflow, (module, "not finite", "--lora-scale"))),
+    ]
+
+
 def all_cases(soak: Soak, classes: set[str], *, resumes: int, signals: int, jobs: int) -> list[Case]:
     makers = {
         "links": soak.link_cases,
@@ -963,6 +1365,10 @@ def all_cases(soak: Soak, classes: set[str], *, resumes: int, signals: int, jobs
         "sources": lambda: source_cases(soak),
         "reads": lambda: read_cases(soak),
         "ranks": lambda: rank_cases(soak),
+        "hub": lambda: hub_cases(soak),
+        "cache": lambda: cache_cases(soak),
+        "group": lambda: group_cases(soak),
+        "lora": lambda: lora_cases(soak),
     }
     unknown = classes - set(makers)
     if unknown:
@@ -972,7 +1378,7 @@ def all_cases(soak: Soak, classes: set[str], *, resumes: int, signals: int, jobs
     return cases
 
 
-CLASSES = "links,special,headers,manifests,resume,signals,misuse,jobs,edges,sources,reads,ranks"
+CLASSES = "links,special,headers,manifests,resume,signals,misuse,jobs,edges,sources,reads,ranks,hub,cache,group,lora"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,8 @@
 """A Hub that stumbles, as huggingface_hub users know it: transient errors retried with huggingface_hub's backoff,
 one line per retry, then one line; bodies cut short or dropped mid-way one line naming the file; an X-Repo-Commit
-that is no commit one line; nothing placed in the cache or the rank folder. Retries are counted by the requests
-the fake Hub received, never timed; waits are kept at huggingface_hub's 1 s minimum and few."""
+that is no commit one line; an answer slower than huggingface_hub's read timeout given up on and retried, then one
+line; nothing placed in the cache or the rank folder. Retries are counted by the requests the fake Hub received,
+never timed; waits are kept at huggingface_hub's 1 s minimum and few."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import logging
 import pytest
 from fake_hub import FakeHub
 from hub_fixtures import HfEnv
+from huggingface_hub import constants
 from test_hub_convert import folder_files
 from test_hub_sources import REPO, SHARDS, SUB, h3_repo
 
@@ -139,6 +141,48 @@ def test_a_body_always_cut_short_is_one_line_and_a_rerun_completes(
     assert (snapshot.folder / SHARDS[1]).read_bytes() == files[SHARD]
 
 
+SLOW_S = 8  # the slow answer's wait: far past the read timeout the tests set (1 s)
+
+
+@pytest.fixture
+def short_read_timeout(monkeypatch):
+    """huggingface_hub's read timeout for downloads at 1 s, through its documented HF_HUB_DOWNLOAD_TIMEOUT (read
+    at import into `constants`, which a download reads at call time: both set, for this test only)."""
+    monkeypatch.setenv("HF_HUB_DOWNLOAD_TIMEOUT", "1")
+    monkeypatch.setattr(constants, "HF_HUB_DOWNLOAD_TIMEOUT", 1)
+
+
+def test_a_slow_answer_once_is_given_up_on_and_retried(fake_hub: FakeHub, tmp_path, short_read_timeout, caplog):
+    files = h3_repo(tmp_path)
+    fake_hub.add_repo(REPO, files)
+    fake_hub.fail("slow", path=SHARD, method="GET", delay=SLOW_S)
+    snapshot = download_source(REPO, subfolder=SUB)
+    assert (snapshot.folder / SHARDS[1]).read_bytes() == files[SHARD]
+    # The slow answer was not waited for: the bytes came from a second request, made after the read timed out.
+    assert len(fake_hub.faulted(SHARD, kind="slow")) == 1 and gets(fake_hub, SHARD) == 2
+    (line,) = retry_lines(caplog)
+    assert "resuming" in line and SHARDS[1] in line, line
+
+
+def test_a_hub_that_always_answers_slowly_is_one_line(
+    fake_hub: FakeHub, hf_env: HfEnv, tmp_path, short_read_timeout, monkeypatch, caplog
+):
+    files = h3_repo(tmp_path)
+    fake_hub.add_repo(REPO, files)
+    monkeypatch.setenv(RETRIES_VAR, "1")
+    fake_hub.fail("slow", path=SHARD, method="GET", delay=SLOW_S, times=None)
+    with pytest.raises(SourceUnreachableError) as info:
+        download_source(REPO, subfolder=SUB)
+    message = str(info.value)
+    assert "\n" not in message and SHARDS[1] in message and "ReadTimeout" in message, message
+    resumed = retry_lines(caplog)
+    # Each slow answer was given up on at the read timeout, then resumed by huggingface_hub (one line each), and
+    # preshard retried none past the budget: every request for the file was a slow one, and one ended the call.
+    assert resumed and all("resuming" in line and SHARDS[1] in line for line in resumed)
+    assert gets(fake_hub, SHARD) == len(fake_hub.faulted(SHARD, kind="slow")) == 1 + len(resumed)
+    assert_nothing_placed(hf_env, files[SHARD])
+
+
 @pytest.mark.parametrize("commit", ["not-a-commit", "../../../escape"])
 def test_an_x_repo_commit_that_is_no_commit_is_one_line(fake_hub: FakeHub, hf_env: HfEnv, tmp_path, commit):
     files = h3_repo(tmp_path)
@@ -187,3 +231,18 @@ def test_a_rank_s_ranged_read_cut_short_is_retried_then_one_line(
     assert "\n" not in message and other in message and "ended early" in message
     assert len(fake_hub.faulted(other)) == 2
     assert list((hf_env.home / "assets" / "preshard" / "org--h3-tp2" / commit).iterdir()) == []
+
+
+def test_a_rank_s_whole_file_dropped_mid_body_every_time_is_one_line_naming_it(
+    fake_hub: FakeHub, hf_env: HfEnv, presharded, monkeypatch
+):
+    repo, _, local = presharded
+    whole = rank_files(read_manifest(local), 0)[0]
+    data = next(name for name in whole if name.endswith(".distcp"))
+    monkeypatch.setenv(RETRIES_VAR, "1")
+    fake_hub.fail("close", path=data, method="GET", times=None)
+    with pytest.raises(SourceUnreachableError) as info:
+        fetch_rank_files(repo, tp_rank=0)  # with the manifest, .metadata and config.json in one call
+    message = str(info.value)
+    assert "\n" not in message and f"{data} of Hub repo {repo}" in message and "RemoteProtocolError" in message
+    assert fake_hub.faulted(data)

@@ -107,24 +107,21 @@ def test_a_rank_has_the_parents_current_environment_and_forks_from_the_server_un
 
 
 def test_a_failing_rank_surfaces_its_traceback():
-    run_ranks(_noop, 1)  # the forkserver's one-time start (imports) is not what this test times
-    start = time.monotonic()
+    # rank 0 sleeps 600 s, as long as the call's timeout: only the grace after rank 1's failure ends the call within
+    # this test's pytest timeout (300 s), which is the evidence, not a clock.
     with pytest.raises(RankFailure) as info:
-        run_ranks(_raise_on_rank_1, 2, timeout=60)
+        run_ranks(_raise_on_rank_1, 2, timeout=600)
     message = str(info.value)
     assert message.startswith("rank 1 of 2 failed in _raise_on_rank_1:")
     assert "Traceback" in message and "ValueError: boom from rank 1" in message
-    assert "ranks [0] were still running" in message
-    assert time.monotonic() - start < 30
+    assert "ranks [0] were still running" in message  # killed after the grace, not waited for: no clock needed
     assert multiprocessing.active_children() == []
 
 
 def test_a_hanging_rank_is_killed_at_the_timeout(tmp_path):
     # 8 s: the ranks fork from the running forkserver (started by the call before), with nothing to import.
     run_ranks(_noop, 1)
-    start = time.monotonic()
     with pytest.raises(TimeoutError, match=r"ranks \[1\] of 2 did not finish within 8 s"):
         run_ranks(_hang_on_rank_1, 2, str(tmp_path), timeout=8)
-    assert time.monotonic() - start < 28
     pids = [int((tmp_path / f"rank{r}.pid").read_text()) for r in range(2)]
     _assert_gone(pids)

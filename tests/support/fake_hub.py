@@ -26,8 +26,9 @@ Errors carry the `X-Error-Code` header that `hf_raise_for_status` maps to huggin
 path (e.g. `/api/agent-harnesses`, fetched when telemetry is on) is a plain 404. No redirects and no Xet headers are
 ever sent, so the library never leaves this server or switches transport.
 
-Every request is recorded (`FakeHub.log()`): method, decoded path, query, Range and Authorization headers, status and
-body bytes sent, so tests can assert exactly what was fetched.
+Every request is recorded (`FakeHub.log()`) as it arrives: method, decoded path, query, Range and Authorization
+headers, then status and body bytes sent once the answer is made, so tests can assert exactly what was fetched,
+and count the requests a client gave up on (a slow answer) without timing anything.
 
 `FakeHub.fail(kind, ...)` makes the next matching requests stumble as a real Hub or proxy does: `status` (answer
 e.g. 503, or 429 with `Retry-After`), `close` (send the headers and half the body, then drop the connection),
@@ -83,7 +84,7 @@ class Request:
     query: dict[str, str]
     range: str | None
     authorization: str | None
-    status: int = 0
+    status: int = 0  # 0 while the answer is not made yet (a slow one)
     sent: int = 0  # body bytes sent (HEAD: 0)
     fault: str | None = None  # the kind of fault injected into the answer, if any
 
@@ -308,6 +309,7 @@ def _handler_for(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             )
             fault = hub._take_fault(method, record.path)
             record.fault = fault.kind if fault is not None else None
+            hub._record(record)  # on arrival: a request the client gave up on (a slow answer) is in the log too
             if fault is not None and fault.kind == "slow":
                 time.sleep(fault.delay)
             try:
@@ -328,7 +330,6 @@ def _handler_for(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 headers["X-Repo-Commit"] = fault.commit
             record.status = status
             record.sent = 0 if method == "HEAD" else len(body)
-            hub._record(record)  # before answering: a client that got the answer finds the request in the log
             try:
                 self.send_response(status)
                 headers.setdefault("Content-Length", str(len(body)))

@@ -13,9 +13,13 @@ error is raised on every rank (its class, naming the rank), different requests a
 then is the process group made, from the same store, so nothing waits in gloo for a rank that is gone.
 
 `timeout` bounds the joining only: the process group keeps torch's default, because ranks can reach a later
-collective minutes apart (a cold read of a large shard). A process group the caller made already (or XLA's
-`xla://` rendezvous, which has its own store) is used as it is: then the requests are compared in the load's first
-exchange over that group (`agreement.agree_on_checkpoint`), which adds no collective.
+collective minutes apart (a cold read of a large shard). A process group that exists already (the caller made it,
+or an earlier load did) is used as it is, but its ranks still meet first in that group's store (`agree_in_group`),
+with the same records and the same bounded wait, and not in a collective: a collective waits for the group's own
+timeout (torch's 30 minutes, or the caller's) for a rank that raised before it or died, and gloo turns a dead peer
+into a raw error. The records of each call sit under a key of its own: rank r's n-th load meets the others' n-th.
+XLA's `xla://` rendezvous, whose group exposes no such store, keeps comparing the requests in the load's first
+exchange over the group (`agreement.agree_on_checkpoint`).
 """
 
 from __future__ import annotations
@@ -34,9 +38,9 @@ from preshard.runtime.devices import RankDevice, device_kind_and_backend, init_r
 
 DEFAULT_TIMEOUT_S = 60.0
 RECORD_BYTES = 4096
-KEY = "preshard/join/{}"
-ALL_READ = "preshard/join/all-read"
-READ_COUNT = "preshard/join/read"
+JOIN_PREFIX = "preshard/join/"  # a job joining before its group exists: its store is fresh
+CALLS = "preshard/load/calls/{}"  # rank r's count of loads that met in the group's store
+CALL_PREFIX = "preshard/load/{}/"  # the records of the job's n-th such load
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 
@@ -75,7 +79,7 @@ def join_job(
     error: BaseException | None = None,
 ) -> RankDevice:
     """This rank's device, with the process group made (if the job has several ranks) once every rank has joined
-    and agreed on `requests`.
+    and agreed on `requests`; in a process group that exists already, once its ranks agreed (`agree_in_group`).
 
     Args:
         device: as `load_sharded` takes it.
@@ -92,10 +96,12 @@ def join_job(
         timeout = check_timeout(timeout)
     except UsageError as exc:
         error, timeout = error or exc, DEFAULT_TIMEOUT_S
-    if _launched() <= 1 or dist.is_initialized():
+    if dist.is_initialized():
+        return agree_in_group(device, requests, timeout=timeout, error=error)
+    if _launched() <= 1:
         if error is not None:
             raise error
-        return init_rank_device(device)  # the requests are compared in the checkpoint agreement (agreement.py)
+        return init_rank_device(device)
     kind = backend = None
     try:
         kind, backend = device_kind_and_backend(device)
@@ -105,15 +111,87 @@ def join_job(
         return init_rank_device(device)  # the requests are compared in the checkpoint agreement (agreement.py)
     store, rank, world = _meet(timeout)
     record = {"error": _describe(error) if error else None, "requests": {"device": kind, **requests}}
-    records = _exchange(store, rank, world, record, timeout)
+    _agree(store, JOIN_PREFIX, rank, world, record, error, timeout)
+    return init_rank_device(device, store=store)
+
+
+def agree_in_group(
+    device: str | torch.device | None,
+    requests: dict[str, object],
+    *,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    error: BaseException | None = None,
+) -> RankDevice:
+    """This rank's device in the process group that exists already, once every rank of it has agreed on `requests`
+    in the group's store, within `timeout` seconds (not the group's own timeout).
+
+    Args:
+        device, requests, error: as `join_job` takes them.
+        timeout: seconds to wait for the other ranks' records.
+
+    Raises:
+        JobTimeoutError: a rank did not reach load_sharded within `timeout`, or the store went away (its server,
+            rank 0 usually, exited).
+        MismatchError: the ranks were asked for different things.
+        DeviceError and the rest: this rank's own error (its device refused by the group...), or the first other
+            rank's, on every rank.
+    """
+    rank_device: RankDevice | None = None
+    kind = None
+    try:
+        rank_device = init_rank_device(device)  # the device, and the group's backend fitting it
+        kind = rank_device.kind
+    except Exception as exc:  # told to the other ranks first, so that none waits for this one
+        error = error or exc
+        try:
+            kind = device_kind_and_backend(device)[0]
+        except Exception:  # noqa: BLE001 - the error above is what this rank reports
+            kind = None
+    rank, world = dist.get_rank(), dist.get_world_size()
+    store = _group_store() if world > 1 else None
+    if store is None:  # one rank, or XLA's rendezvous: the checkpoint agreement compares the requests
+        if error is not None:
+            raise error
+        assert rank_device is not None
+        return rank_device
+    record = {"error": _describe(error) if error else None, "requests": {"device": kind, **requests}}
+    where = "the process group's store"
+    call = _store_call(lambda: store.add(CALLS.format(rank), 1), where)
+    _agree(store, CALL_PREFIX.format(call), rank, world, record, error, timeout, where=where)
+    assert rank_device is not None  # its error was raised by _agree otherwise
+    return rank_device
+
+
+def _group_store() -> dist.Store | None:
+    """The default process group's store: torchrun's agent store, or the one `env://` or `tcp://` made. torch keeps
+    it beside the group, with no public accessor; None where there is none to use (XLA's rendezvous)."""
+    from torch.distributed import distributed_c10d
+
+    if dist.get_backend() == "xla":
+        return None
+    try:
+        return distributed_c10d._get_default_store()
+    except (AttributeError, KeyError, ValueError, RuntimeError):
+        return None
+
+
+def _agree(
+    store: dist.Store,
+    prefix: str,
+    rank: int,
+    world: int,
+    record: dict,
+    error: BaseException | None,
+    timeout: float,
+    where: str = "the job's store",
+) -> None:
+    """Write this rank's record under `prefix`, wait for every rank's, and raise as every rank does."""
+    records = _exchange(store, prefix, rank, world, record, timeout, where)
     try:
         raise_failures(records, error, "before joining the job")
         compare_requests(records)
-    except PreshardError:
-        _leave(store, rank, world, timeout)
-        raise
-    _leave(store, rank, world, timeout)
-    return init_rank_device(device, store=store)
+    finally:
+        _leave(store, prefix, rank, world, timeout)
 
 
 def _meet(timeout: float) -> tuple[dist.Store, int, int]:
@@ -145,12 +223,26 @@ def _meet(timeout: float) -> tuple[dist.Store, int, int]:
     return store, rank, world
 
 
-def _exchange(store: dist.Store, rank: int, world: int, record: dict, timeout: float) -> list[dict]:
-    store.set(KEY.format(rank), json.dumps(record)[:RECORD_BYTES])
-    keys = [KEY.format(r) for r in range(world)]
+def _store_call(call, where: str):
+    """A store operation, its failure one line: the store's server (rank 0, or torchrun's agent) has gone."""
+    try:
+        return call()
+    except (RuntimeError, TimeoutError, OSError) as exc:  # DistNetworkError, DistStoreError
+        raise JobTimeoutError(
+            f"this rank lost {where} while waiting for the other ranks to reach load_sharded (its server, rank 0 or "
+            f"torchrun's agent, was killed or crashed: {' '.join(str(exc).split())[:160]}); nothing was loaded: check "
+            "rank 0's log"
+        ) from None
+
+
+def _exchange(
+    store: dist.Store, prefix: str, rank: int, world: int, record: dict, timeout: float, where: str
+) -> list[dict]:
+    _store_call(lambda: store.set(f"{prefix}{rank}", json.dumps(record)[:RECORD_BYTES]), where)
+    keys = [f"{prefix}{r}" for r in range(world)]
     deadline = time.monotonic() + timeout
     while True:
-        present = [r for r in range(world) if store.check([keys[r]])]
+        present = [r for r in range(world) if _store_call(lambda r=r: store.check([keys[r]]), where)]
         if len(present) == world:
             break
         if time.monotonic() >= deadline:
@@ -165,21 +257,24 @@ def _exchange(store: dist.Store, rank: int, world: int, record: dict, timeout: f
     out = []
     for key in keys:
         try:
-            out.append(json.loads(store.get(key)))
+            out.append(json.loads(_store_call(lambda key=key: store.get(key), where)))
         except ValueError:
             out.append({"error": ["PreshardError", "its record did not arrive whole"], "requests": {}})
     return out
 
 
-def _leave(store: dist.Store, rank: int, world: int, timeout: float) -> None:
-    """Rank 0 may be the store's server: it stays until every rank has read the records (at most `timeout`)."""
-    if store.add(READ_COUNT, 1) == world:
-        store.set(ALL_READ, "1")
-    if rank == 0:
-        try:
-            store.wait([ALL_READ], timedelta(seconds=timeout))
-        except RuntimeError:
-            pass  # a rank that left cannot read; the others have their answer
+def _leave(store: dist.Store, prefix: str, rank: int, world: int, timeout: float) -> None:
+    """Rank 0 may be the store's server: it stays until every rank has read the records (at most `timeout`), then
+    removes them. A store that went away meanwhile changes nothing: every rank has its answer."""
+    try:
+        if store.add(f"{prefix}read", 1) == world:
+            store.set(f"{prefix}all-read", "1")
+        if rank == 0:
+            store.wait([f"{prefix}all-read"], timedelta(seconds=timeout))
+            for key in [f"{prefix}{r}" for r in range(world)] + [f"{prefix}read", f"{prefix}all-read"]:
+                store.delete_key(key)
+    except (RuntimeError, TimeoutError, OSError):
+        pass  # a rank that left cannot read; the others have their answer
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "check_timeout", "join_job"]
+__all__ = ["DEFAULT_TIMEOUT_S", "agree_in_group", "check_timeout", "join_job"]

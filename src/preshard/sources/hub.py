@@ -434,8 +434,10 @@ def hub_error(
         return SourceAccessError(
             f"a token is required for {where} but none is set: pass --token, set HF_TOKEN or run `hf auth login`"
         )
-    what = f"{path} of {where}" if path else where
     stumble = transient(exc)
+    # The file the failing request asked for, where the call fetched several (a rank's manifest, config and data).
+    path = path or (url_path(request_url(stumble)) if stumble is not None else None)
+    what = f"{path} of {where}" if path else where
     if stumble is not None and not offline:
         return SourceUnreachableError(
             f"the Hub at {endpoint} kept failing for {what} ({describe(stumble)}, retried {max_retries()} times as "
