@@ -87,7 +87,7 @@ def run_measured(hole_file: Path, *args: str) -> tuple[subprocess.CompletedProce
 
 
 @pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="needs Linux /proc/self/io")
-def test_plan_on_full_size_h3_reads_headers_only_and_is_fast(h3_full):
+def test_plan_on_full_size_h3_reads_headers_only(h3_full):
     folder, _, _ = h3_full
     weights = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
     assert weights > 60 * GIB
@@ -96,7 +96,6 @@ def test_plan_on_full_size_h3_reads_headers_only_and_is_fast(h3_full):
     proc, measured, control = run_measured(big, "plan", str(folder), "--devices", "8", "--device-memory", "24")
 
     assert measured["code"] in (0, None), proc.stdout + proc.stderr
-    assert measured["seconds"] < 10, measured
     assert measured["rchar"] < 16 << 20, measured  # headers (~100 kB) and small files; the data is 61.7 GiB
     rows = {m[2]: m[0] for m in re.finditer(r"^(\*?)\s+(\d+)\s.*$", proc.stdout, re.M)}
     assert sorted(rows, key=int) == ["1", "2", "4", "7", "8"]
