@@ -51,6 +51,10 @@ Round 4 (issue 31):
 - lora: a LoRA with NaN or Inf in a factor or bias, an alpha of NaN or +-Inf, a --lora-scale of 1e300, nan or inf,
   factors whose product overflows float32: one line naming the module, nothing written; the control converts.
 
+More classes live in `scripts/hostile_soak_*.py`, one module per topic: each names its classes in
+`CASES: dict[str, Callable[[Soak], list[Case]]]` and is found here by its file name (this folder's own code,
+nothing a data file names).
+
 Prints one line per class (cases, held) and every failure; exits 1 on any failure.
 `tests/test_untrusted_input.py` runs a smaller mix in CI.
 """
@@ -59,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import random
@@ -84,6 +89,9 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests" / "support"))
 
 import crash_soak  # noqa: E402  (scripts/: the synthetic source builder)
+
+# The topic modules (hostile_soak_*.py) import this one by name: run as a script, it is that module too.
+sys.modules.setdefault("hostile_soak", sys.modules[__name__])
 
 from preshard.errors import CorruptCheckpointError, PreshardError  # noqa: E402
 from preshard.format.jsonio import canonical_json  # noqa: E402
@@ -1370,6 +1378,8 @@ def all_cases(soak: Soak, classes: set[str], *, resumes: int, signals: int, jobs
         "group": lambda: group_cases(soak),
         "lora": lambda: lora_cases(soak),
     }
+    for name, make in topic_makers().items():
+        makers[name] = lambda make=make: make(soak)
     unknown = classes - set(makers)
     if unknown:
         raise SystemExit(f"unknown classes {sorted(unknown)}; choose from {', '.join(makers)}")
@@ -1378,12 +1388,21 @@ def all_cases(soak: Soak, classes: set[str], *, resumes: int, signals: int, jobs
     return cases
 
 
+def topic_makers() -> dict[str, Callable[[Soak], list[Case]]]:
+    """The classes of the topic modules beside this script (`hostile_soak_*.py`), by class name."""
+    makers: dict[str, Callable[[Soak], list[Case]]] = {}
+    for path in sorted(HERE.glob("hostile_soak_*.py")):
+        makers.update(importlib.import_module(path.stem).CASES)
+    return makers
+
+
 CLASSES = "links,special,headers,manifests,resume,signals,misuse,jobs,edges,sources,reads,ranks,hub,cache,group,lora"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--classes", default=CLASSES, help=f"comma-separated (default: {CLASSES})")
+    every = ",".join([CLASSES, *topic_makers()])
+    parser.add_argument("--classes", default=every, help=f"comma-separated (default: {every})")
     parser.add_argument("--resumes", type=int, default=24, help="resume cases")
     parser.add_argument("--signals", type=int, default=16, help="signal cases (each starts a fresh interpreter)")
     parser.add_argument("--jobs", type=int, default=2, help="two-rank job cases (each starts two processes)")
