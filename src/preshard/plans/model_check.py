@@ -208,12 +208,3 @@ def check_model_structure(plan: Plan, model: nn.Module, tp: int = 2) -> None:
                     "the plan does not cover); add a rule for it in a plan file, --plan (colwise if it produces "
                     "per-head features, rowwise if it consumes them), or use --tp 1"
                 )
-
-
-def first_attention(model: nn.Module) -> str | None:
-    """'NAME (CLASS, N heads)' of the model's first attention module, for messages; None if it has none."""
-    for name, module in model.named_modules():
-        if name and is_attention(module):
-            heads = getattr(module, "heads", None)
-            return f"{name} ({type(module).__name__}" + (f", {heads} heads)" if isinstance(heads, int) else ")")
-    return None

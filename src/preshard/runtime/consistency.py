@@ -34,7 +34,6 @@ from preshard.runtime import collectives
 from preshard.runtime.changes import ModelChanges
 
 CHECK_ATTRIBUTE = "preshard_input_check"
-MODES = ("check", "broadcast", "off")
 
 _PRIME = 2_147_483_647  # 2**31 - 1: the digest's arithmetic stays far below int64 overflow
 _PERIOD = 1021  # position weights cycle with this period (prime, so strides rarely line up)

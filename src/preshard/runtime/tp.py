@@ -134,13 +134,6 @@ def parallelize_embedding(
     return described
 
 
-def unparallelize_embedding(module: nn.Embedding) -> None:
-    """Back to the embedding's own class (for negative controls: without the all-reduce the output must be wrong)."""
-    module.__class__ = next(
-        c for c in type(module).__mro__ if issubclass(c, nn.Embedding) and not issubclass(c, ParallelEmbedding)
-    )
-
-
 def parallelize_module(
     module: nn.Module,
     style: Style,
