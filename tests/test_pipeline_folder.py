@@ -196,13 +196,13 @@ def test_component_choices(sources, tmp_path):
     from preshard.errors import UsageError
 
     out = tmp_path / "out"
-    record = convert_pipeline(sources["wan"], out, tp=2, components=["vae:skip", "transformer:tp=1"], progress=False)
+    record = convert_pipeline(sources["wan"], out, tp=2, components=["vae:skip", "transformer:tp=2"], progress=False)
     assert record.components["vae"].treatment == "skipped" and not (out / "vae").exists()
     assert json.loads((out / "model_index.json").read_text())["vae"] == [None, None]  # diffusers loads None
-    assert record.components["transformer"].tp == 1
+    assert record.components["transformer"].tp == 2
     from preshard.format.manifest import read_manifest
 
-    assert read_manifest(out / "transformer").mesh.tp == 1
+    assert read_manifest(out / "transformer").mesh.tp == 2
     whole = convert_pipeline(sources["wan"], tmp_path / "whole", tp=2, components=["transformer:whole"], progress=False)
     assert not whole.sharded()
     assert _files(tmp_path / "whole" / "transformer") == _files(sources["wan"] / "transformer")
@@ -212,6 +212,7 @@ def test_component_choices(sources, tmp_path):
         ("vae", "is not NAME:tp=N"),
         ("transformer_2:whole", "names no model for it"),
         ("scheduler:tp=2", "holds no .safetensors weights to shard; use scheduler:whole"),
+        ("transformer:tp=1", "differs from the pipeline's --tp 2, and load_pipeline loads every sharded component"),
     ]:
         with pytest.raises(UsageError, match=says) as info:
             convert_pipeline(sources["wan"], tmp_path / "never", tp=2, components=[bad], progress=False)

@@ -21,10 +21,13 @@ import os
 import re
 import shutil
 import struct
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from preshard.errors import UsageError
+from preshard.errors import SourceError, UsageError
+from preshard.format.component_name import check_component_name
+from preshard.format.jsonio import read_json
 from preshard.format.manifest import Source
 from preshard.format.pipeline_record import LeftOut
 from preshard.sources.safetensors_file import read_header
@@ -46,11 +49,31 @@ def parse_keep_layers(text: str) -> tuple[str, int | None]:
         UsageError: anything else.
     """
     name, sep, value = text.partition(":")
+    if sep and name:
+        check_component_name(name, "--keep-layers")
     if sep and name and value == "all":
         return name, None
-    if not sep or not name or not value.isdigit() or int(value) < 1:
-        raise UsageError(f"--keep-layers {text!r} is not NAME:K (keep K decoder layers) or NAME:all")
+    if not sep or not name or not (value.isascii() and value.isdigit()) or len(value) > 9 or int(value) < 1:
+        raise UsageError(f"--keep-layers {text!r} is not NAME:K (keep K decoder layers) or NAME:all")  # ASCII K only
     return name, int(value)
+
+
+def parse_keep_layers_all(texts: Iterable[str]) -> dict[str, int | None]:
+    """Every `--keep-layers` given -> {name: K or None}; the same one given twice is one.
+
+    Raises:
+        UsageError: one `parse_keep_layers` refuses, or two different counts for one component.
+    """
+    keeps: dict[str, int | None] = {}
+    given: dict[str, str] = {}
+    for text in texts:
+        name, keep = parse_keep_layers(text)
+        if name in keeps and keeps[name] != keep:
+            raise UsageError(
+                f"--keep-layers {given[name]} and --keep-layers {text} differ for {name}; give one per component"
+            )
+        keeps[name], given[name] = keep, text
+    return keeps
 
 
 def documented_keep(pipeline_class: str, component: str, index_data: dict[str, Any]) -> int | None:
@@ -127,7 +150,7 @@ def copy_keeping_layers(source: Path, target: Path, keep: int) -> LeftOut | None
     Raises:
         UsageError: a config without a layer count, or `keep` above it.
     """
-    config = json.loads((source / "config.json").read_text())
+    config = read_json(source / "config.json", f"{source.name}/config.json", SourceError, "fix the component's config")
     section, layers = _text_layers(config)
     if keep > layers:
         raise UsageError(
@@ -150,7 +173,7 @@ def copy_keeping_layers(source: Path, target: Path, keep: int) -> LeftOut | None
         _write_kept(f, target / f.name, kept)
         weight_map.update(dict.fromkeys(kept, f.name))
     for index in source.glob("*.safetensors.index.json"):
-        data = json.loads(index.read_text())
+        data = read_json(index, f"{source.name}/{index.name}", SourceError, "fix the component's index")
         data["weight_map"] = {n: weight_map[n] for n in data.get("weight_map", {}) if n in weight_map}
         data.setdefault("metadata", {})["total_size"] = sum(
             e.nbytes for h in headers.values() for n, e in h.tensors.items() if n not in dropped

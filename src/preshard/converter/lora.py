@@ -38,6 +38,7 @@ import torch
 
 from preshard.errors import MismatchError, SourceError, UsageError
 from preshard.format.dtypes import DType
+from preshard.format.hub_names import check_repo_id, path_problem
 from preshard.format.manifest import LoraModule, LoraRecord, Source
 from preshard.sources import ConversionSource, SourceRows
 from preshard.sources.safetensors_file import read_header
@@ -269,6 +270,9 @@ def _local_file(given: str, token: str | bool | None) -> tuple[Path, str | None,
     repo_id, filename = "/".join(parts[:2]), "/".join(parts[2:]) or DEFAULT_WEIGHT_NAME
     if not filename.endswith(".safetensors"):
         raise SourceError(f"LoRA {given} names {filename}, not a .safetensors file; diffusers LoRAs are safetensors")
+    check_repo_id(repo_id, "LoRA repo id")
+    if path_problem(filename) is not None:
+        raise SourceError(f"LoRA {given} names {filename!r}, which {path_problem(filename)}; name a file in the repo")
     try:
         from huggingface_hub import hf_hub_download
 

@@ -26,14 +26,15 @@ already copied from unchanged source files is not copied again).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
-import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from preshard.converter.contained import inside, remove_inside
 from preshard.converter.convert import (
     ConversionOutcome,
     convert_checkpoint,
@@ -41,7 +42,8 @@ from preshard.converter.convert import (
     plan_conversion,
     resolve_mesh,
 )
-from preshard.converter.left_out import KeptLayersSource, copy_keeping_layers, documented_keep, parse_keep_layers
+from preshard.converter.left_out import KeptLayersSource, copy_keeping_layers, documented_keep, parse_keep_layers_all
+from preshard.converter.pipeline_copy import SourceBoundary, copy_component, copy_file
 from preshard.converter.workdir import (
     JOB_NAME,
     OutputKind,
@@ -52,7 +54,8 @@ from preshard.converter.workdir import (
     open_workdir,
     partial_dir,
 )
-from preshard.errors import PreshardError, SourceError, SourceNotFoundError, UsageError
+from preshard.errors import PlanError, PreshardError, SourceError, SourceNotFoundError, UsageError
+from preshard.format.component_name import check_component_name
 from preshard.format.jsonio import dumps_indented, fsync_file
 from preshard.format.manifest import CONFIG_NAME, MANIFEST_NAME, created_now
 from preshard.format.mesh import MeshSpec
@@ -97,14 +100,35 @@ def parse_component_choice(text: str) -> tuple[str, ComponentChoice]:
     bad = UsageError(f"--component {text!r} is not {CHOICE_HELP}")
     if not sep or not name:
         raise bad
+    check_component_name(name, "--component")
     if what == "whole":
         return name, ComponentChoice("whole")
     if what == "skip":
         return name, ComponentChoice("skipped")
     key, eq, value = what.partition("=")
-    if key != "tp" or not eq or not value.isdigit() or int(value) < 1:
-        raise bad
+    if key != "tp" or not eq or not (value.isascii() and value.isdigit()) or len(value) > 6 or int(value) < 1:
+        raise bad  # ASCII digits only: str.isdigit also accepts '²', which int() then refuses
     return name, ComponentChoice("sharded", int(value))
+
+
+def parse_component_choices(texts: Iterable[str]) -> dict[str, ComponentChoice]:
+    """Every `--component` given -> {name: choice}; the same choice given twice is one.
+
+    Raises:
+        UsageError: a choice `parse_component_choice` refuses, or two different choices for one component (the
+            last one silently winning would convert something other than what was asked).
+    """
+    choices: dict[str, ComponentChoice] = {}
+    given: dict[str, str] = {}
+    for text in texts:
+        name, choice = parse_component_choice(text)
+        if name in choices and choices[name] != choice:
+            raise UsageError(
+                f"--component {given[name]} and --component {text} choose differently for {name}; give one choice "
+                "per component"
+            )
+        choices[name], given[name] = choice, text
+    return choices
 
 
 def is_pipeline_folder(path: str | Path) -> bool:
@@ -123,6 +147,22 @@ class ComponentPlan:
 
 def _weights_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+
+
+# What a model component's weights are stored as: a component with a config.json and none of these cannot be loaded.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5", ".gguf", ".index.json")
+
+
+# Components that hold no weights by nature (a tokenizer folder may carry a config.json of its model's too).
+WEIGHTLESS_KINDS = ("Tokenizer", "Processor", "Scheduler", "FeatureExtractor", "Extractor", "Guider")
+
+
+def _lacks_weights(class_name: str, files: Iterable[str]) -> bool:
+    """A model component (a config.json, a class that is no tokenizer, processor or scheduler) without weights."""
+    names = list(files)
+    if CONFIG_NAME not in names or any(kind in class_name for kind in WEIGHTLESS_KINDS):
+        return False
+    return not any(name.endswith(WEIGHT_SUFFIXES) for name in names)
 
 
 def is_text_encoder(library: str, folder: Path) -> bool:
@@ -167,8 +207,12 @@ def plan_pipeline(
     """Every component's treatment, the user's choices applied (text encoders above `text_encoder_bytes` sharded).
 
     Raises:
-        UsageError: a choice names no component of the pipeline, or asks to shard one that has no weights.
+        UsageError: a choice names no component of the pipeline, or asks to shard one that has no weights; a
+            component with a config.json but no weights (nothing diffusers could load from a copy).
+        SourceError: a link out of the pipeline folder, or a FIFO, socket or device, in a component used
+            (`pipeline_copy.SourceBoundary`): checked for every component before anything is written.
     """
+    boundary = SourceBoundary(source)
     names = {c.name for c in index.components}
     unknown = sorted(set(choices) - names)
     if unknown:
@@ -192,6 +236,12 @@ def plan_pipeline(
         if choice is not None and choice.treatment == "skipped":
             planned.append(ComponentPlan(ComponentRecord(c.name, c.library, c.class_name, "skipped"), None))
             continue
+        files = boundary.source_files(folder)  # links out of the folder, FIFOs: refused before anything is written
+        if _lacks_weights(c.class_name, files):
+            raise UsageError(
+                f"{c.name} ({c.library}.{c.class_name}) has a {CONFIG_NAME} but no weights, so a copy could not be "
+                f"loaded; add its weights to {folder}, or leave it out with --component {c.name}:skip"
+            )
         if choice is None:
             shard = _shards_by_default(c.library, c.class_name, folder, text_encoder_bytes)
             choice = ComponentChoice("sharded" if shard else "whole")
@@ -221,27 +271,20 @@ def _job_key(
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
 
 
-def _copy_tree(src: Path, dst: Path) -> None:
-    """Copy a component folder (copies, not hard links: a later edit of the source must not change the output)."""
-    if dst.exists():
-        shutil.rmtree(dst)
-    shutil.copytree(src, dst, symlinks=False)
+def _source_stamp(boundary: SourceBoundary, folder: Path) -> dict[str, list[int]]:
+    stamp = {}
+    for name, real in boundary.source_files(folder).items():
+        st = real.stat()
+        stamp[name] = [st.st_size, st.st_mtime_ns]
+    return stamp
 
 
-def _source_stamp(folder: Path) -> dict[str, list[int]]:
-    return {
-        str(f.relative_to(folder)): [f.stat().st_size, f.stat().st_mtime_ns]
-        for f in sorted(folder.rglob("*"))
-        if f.is_file()
-    }
-
-
-def _copy_once(folder: Path, target: Path, work: Path, keep: int | None) -> LeftOut | None:
+def _copy_once(boundary: SourceBoundary, folder: Path, target: Path, work: Path, keep: int | None) -> LeftOut | None:
     """Copy a whole component into the working folder (without its unread layers where `keep` says), unless an
     earlier run of this job already did from the same source files (sizes and modification times, kept in a
     hidden marker beside it): a resume does not copy a 62 GiB conditioner again."""
-    marker = work / f".{target.name}.copied"
-    stamp = _source_stamp(folder)
+    marker = inside(work, work / f".{target.name}.copied")
+    stamp = _source_stamp(boundary, folder)
     if marker.is_file() and target.is_dir():
         try:
             done = json.loads(marker.read_text())
@@ -250,10 +293,11 @@ def _copy_once(folder: Path, target: Path, work: Path, keep: int | None) -> Left
         if isinstance(done, dict) and done.get("source") == stamp:
             left = done.get("left_out")
             return None if left is None else LeftOut.from_dict(left)
-    marker.unlink(missing_ok=True)
-    left = copy_keeping_layers(folder, target, keep) if keep is not None else None
+    remove_inside(work, marker)
+    remove_inside(work, target)
+    left = copy_keeping_layers(folder, inside(work, target), keep) if keep is not None else None
     if left is None:
-        _copy_tree(folder, target)
+        copy_component(boundary, folder, target, work)  # copies, not links: a later edit of the source stays out
     marker.write_text(json.dumps({"source": stamp, "left_out": None if left is None else left.to_dict()}))
     return left
 
@@ -274,7 +318,7 @@ def layers_to_keep(
 ) -> dict[str, int]:
     """Layers to keep per text encoder (copied whole or sharded): the user's `--keep-layers`, else what the pipeline
     documents."""
-    asked = dict(given) if isinstance(given, dict) else dict(parse_keep_layers(t) for t in (given or []))
+    asked = dict(given) if isinstance(given, dict) else parse_keep_layers_all(given or [])
     by_name = {p.record.name: p for p in planned}
     keeps: dict[str, int] = {}
 
@@ -331,13 +375,45 @@ def _finished_pipeline(
                 if not (output / p.record.name / CONFIG_NAME).is_file():  # the choice; the source is not re-read)
                     return None
                 continue
-        for f in p.folder.rglob("*"):
-            if f.is_file():
-                copy = output / p.record.name / f.relative_to(p.folder)
-                a, b = f.stat(), copy.stat() if copy.is_file() else None
-                if b is None or (a.st_size, a.st_mtime_ns) != (b.st_size, b.st_mtime_ns):
-                    return None
+        try:
+            files = SourceBoundary(src).source_files(p.folder)
+        except PreshardError:
+            return None
+        for name, f in files.items():
+            copy = output / p.record.name / name
+            a, b = f.stat(), copy.stat() if copy.is_file() and not copy.is_symlink() else None
+            if b is None or (a.st_size, a.st_mtime_ns) != (b.st_size, b.st_mtime_ns):
+                return None
     return record
+
+
+USAGE_FAILURES = (UsageError, PlanError)  # the job as asked cannot work: a re-run would fail the same way
+
+
+@contextlib.contextmanager
+def _partial_on_failure(out: Path) -> Iterator[None]:
+    """A conversion that fails for a usage error removes the partial copies it made (a re-run of the same job would
+    fail the same way, and they can be GBs); any other failure keeps them for a resume and says where."""
+    work = partial_dir(out)
+    try:
+        yield
+    except USAGE_FAILURES:
+        remove_inside(out.parent, work)
+        raise
+    except PreshardError as exc:
+        if not work.is_dir() or str(work) in str(exc):
+            raise
+        kept = f"{exc}; the partial conversion is kept in {work}: re-run the same command to resume it"
+        try:
+            again = type(exc)(kept)
+        except TypeError:
+            raise exc from None
+        again.__dict__.update(exc.__dict__)
+        raise again from exc.__cause__
+    except OSError as exc:
+        if work.is_dir():
+            exc.add_note(f"the partial conversion is kept in {work}: re-run the same command to resume it")
+        raise
 
 
 def convert_pipeline(
@@ -405,10 +481,17 @@ def convert_pipeline(
     if components is None:
         choices: dict[str, ComponentChoice] = {}
     elif isinstance(components, dict):
-        choices = dict(components)
+        choices = {check_component_name(name, "components="): choice for name, choice in components.items()}
     else:
-        choices = dict(parse_component_choice(text) for text in components)
+        choices = parse_component_choices(components)
     planned = plan_pipeline(src, index, job_mesh, choices, text_encoder_bytes)
+    for p in planned:  # load_pipeline loads every sharded component on the job's mesh: refuse what it would refuse
+        if p.record.treatment == "sharded" and p.record.tp != job_mesh.tp:
+            raise UsageError(
+                f"--component {p.record.name}:tp={p.record.tp} differs from the pipeline's --tp {job_mesh.tp}, and "
+                f"load_pipeline loads every sharded component on the job's mesh; drop the choice, or use "
+                f"{p.record.name}:tp={job_mesh.tp} or {p.record.name}:whole"
+            )
     keeps = layers_to_keep(index, planned, keep_layers)
     sharded = [p for p in planned if p.record.treatment == "sharded"]
     if plan is not None and len(sharded) != 1:
@@ -416,6 +499,8 @@ def convert_pipeline(
             f"--plan applies to one component, but {len(sharded)} are sharded; convert one with --subfolder NAME "
             "--plan ..., or leave --plan out"
         )
+    boundary = SourceBoundary(src)
+    boundary.top_level_files({index.file_name, PIPELINE_RECORD_NAME})  # links out refused before anything is written
     job = _job_key(src, job_mesh, planned, dtype, plan, keeps)
     if not overwrite:
         finished = _finished_pipeline(src, Path(output), job, planned, job_mesh, plan, dtype)
@@ -426,23 +511,24 @@ def convert_pipeline(
             return finished
     out = check_output(Path(output), [src], overwrite, PIPELINE)
     make_parents(out)
-    with OutputLock(out, wait=wait):
+    with OutputLock(out, wait=wait), _partial_on_failure(out):
         work = partial_dir(out)
         left_out: dict[str, LeftOut | None] = {}
         open_workdir(work, job)
         for p in planned:
             if p.folder is None or p.record.treatment == "skipped":
                 continue
-            target = work / p.record.name
+            target = inside(work, work / p.record.name)
             if p.record.treatment == "whole":
-                left_out[p.record.name] = _copy_once(p.folder, target, work, keeps.get(p.record.name))
+                left_out[p.record.name] = _copy_once(boundary, p.folder, target, work, keeps.get(p.record.name))
                 continue
             component_mesh = _component_mesh(p.record, p.folder, job_mesh)
             keep = keeps.get(p.record.name)
-            left = _copy_once(p.folder, work / f".{p.record.name}.kept", work, keep) if keep is not None else None
+            kept_copy = inside(work, work / f".{p.record.name}.kept")
+            left = _copy_once(boundary, p.folder, kept_copy, work, keep) if keep is not None else None
             left_out[p.record.name] = left
             if left is None:
-                shutil.rmtree(work / f".{p.record.name}.kept", ignore_errors=True)
+                remove_inside(work, kept_copy)
             component_source: Any = src
             if left is not None:
                 component_source = KeptLayersSource(open_source(work / f".{p.record.name}.kept"), left, str(p.folder))
@@ -452,9 +538,9 @@ def convert_pipeline(
                 outcome=outcomes.setdefault(p.record.name, ConversionOutcome()) if outcomes is not None else None,
                 on_tensor=on_tensor,
             )  # fmt: skip
-        for extra in sorted(src.iterdir()):  # the index, README, LICENSE: top-level files as they are
-            if extra.is_file() and extra.name not in (index.file_name, PIPELINE_RECORD_NAME):
-                shutil.copy2(extra, work / extra.name)
+        tops = boundary.top_level_files({index.file_name, PIPELINE_RECORD_NAME})  # the README, LICENSE: as they are
+        for name, real in tops.items():
+            copy_file(real, src / name, work, work / name)
         (work / index.file_name).write_text(_output_index(index, planned))
         record = PipelineRecord(
             index_name=index.file_name,
@@ -467,9 +553,9 @@ def convert_pipeline(
         )
         (work / JOB_NAME).unlink(missing_ok=True)
         for marker in work.glob(".*.copied"):
-            marker.unlink()
+            remove_inside(work, marker)
         for kept in work.glob(".*.kept"):  # the text encoders' kept layers, converted: not part of the output
-            shutil.rmtree(kept)
+            remove_inside(work, kept)
         path = work / PIPELINE_RECORD_NAME  # last: a partial folder without it is never mistaken for an output
         path.write_text(dumps_indented(record.to_dict()) + "\n")
         fsync_file(path)

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from preshard.converter.contained import remove_inside
 from preshard.converter.signals import StopFlag, deferred_signals
 from preshard.converter.writer import RecordFileWriter
 from preshard.errors import (
@@ -285,7 +286,7 @@ class OutputLock:
 def open_workdir(work: Path, job: str) -> bool:
     """Make sure `work` exists for `job`; True when it holds an earlier run of the same job to resume."""
     if work.is_symlink() or (work.exists() and not work.is_dir()):
-        work.unlink()
+        remove_inside(work.parent, work)  # the one helper every removal goes through (`converter/contained.py`)
     if work.is_dir():
         try:
             same = json.loads((work / JOB_NAME).read_text()).get("job") == job
@@ -293,7 +294,7 @@ def open_workdir(work: Path, job: str) -> bool:
             same = False
         if same:
             return True
-        shutil.rmtree(work)
+        remove_inside(work.parent, work)
     work.mkdir()
     (work / JOB_NAME).write_text(json.dumps({"job": job}))
     return False
@@ -430,10 +431,7 @@ def fresh_workdir(
         stop.check()  # a signal that came before, its exception swallowed: stop before writing
         check_output(output, inputs, overwrite, kind)  # again, now that we hold the lock
         work = partial_dir(output)
-        if work.is_symlink() or work.is_file():
-            work.unlink()
-        elif work.exists():
-            shutil.rmtree(work)
+        remove_inside(work.parent, work)
         work.mkdir()
         try:
             yield work, stop

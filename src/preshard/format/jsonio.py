@@ -2,7 +2,8 @@
 
 Every JSON file preshard reads (manifest, plan, config, index) can be hand-edited or damaged, so
 reading never raises anything but the caller's `PreshardError` subclass: not a regular file (a FIFO is refused,
-never waited on), not valid UTF-8, not JSON, nested too deeply for the parser, or of the wrong top-level type.
+never waited on), not valid UTF-8, not JSON, nested too deeply for the parser, an integer of more digits than
+Python converts (4300 by default: a `ValueError` from the parser), or of the wrong top-level type.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ def parse_json_text(text: str | bytes, where: str, error: type[PreshardError], f
         raise error(f"{where} is nested too deeply to be read; {fix}") from None
     except json.JSONDecodeError as exc:
         raise error(f"{where} is not valid JSON (line {exc.lineno}: {exc.msg}); {fix}") from None
+    except ValueError as exc:  # an integer of more digits than Python converts (sys.get_int_max_str_digits)
+        raise error(f"{where} holds a number too long to read ({str(exc).split(';')[0]}); {fix}") from None
 
 
 def read_json(path: Path, where: str, error: type[PreshardError], fix: str, expect: type | None = dict) -> Any:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from preshard.errors import CorruptCheckpointError, PreshardError, SourceError
+from preshard.format.component_name import check_component_name
 from preshard.format.jsonio import dumps_indented, parse_json_text, read_json
 
 PIPELINE_RECORD_NAME = "preshard_pipeline.json"
@@ -28,7 +29,7 @@ TREATMENTS = ("sharded", "whole", "skipped")
 
 @dataclass(frozen=True)
 class IndexComponent:
-    """One component as the pipeline's index names it."""
+    """One component as the pipeline's index names it (its name checked: one plain path component)."""
 
     name: str
     library: str | None  # "diffusers", "transformers"; None for a component the pipeline does without
@@ -61,7 +62,9 @@ def parse_pipeline_index(text: str | bytes, file_name: str, error: type[Preshard
     """Read a `model_index.json` / `modular_model_index.json` text.
 
     Raises:
-        `error`: not a JSON object naming its pipeline class (`_class_name`).
+        `error`: not a JSON object naming its pipeline class (`_class_name`), or a component whose name is not one
+            plain path component (`format/component_name.py`: no `/`, `\\`, `.`, `..`, empty, leading `.`, NUL or
+            control characters), checked here, before any path is made from it.
     """
     fix = "it must be a diffusers pipeline index: a JSON object with _class_name and its components"
     data = parse_json_text(text, file_name, error, fix)
@@ -74,6 +77,7 @@ def parse_pipeline_index(text: str | bytes, file_name: str, error: type[Preshard
         library, class_name = value[0], value[1]
         if not (library is None or isinstance(library, str)) or not (class_name is None or isinstance(class_name, str)):
             raise error(f"{file_name}: component {key!r} is {value!r}; {fix}")
+        check_component_name(key, file_name, error)
         components.append(IndexComponent(key, library, class_name))
     return PipelineIndex(file_name, data["_class_name"], tuple(components), data)
 

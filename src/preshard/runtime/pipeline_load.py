@@ -19,6 +19,7 @@ from torch import nn
 
 from preshard.errors import CheckpointNotFoundError, MismatchError, PreshardError, UsageError
 from preshard.format.dtypes import parse_cast
+from preshard.format.hub_names import check_hub_arguments
 from preshard.format.locate import local_path
 from preshard.format.mesh import MeshSpec
 from preshard.format.pipeline_record import PIPELINE_RECORD_NAME, PipelineRecord, read_pipeline_record
@@ -47,6 +48,7 @@ def _fetch_rest(repo_id: str, revision: str | None, token: str | bool | None, ig
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError
 
+    check_hub_arguments(repo_id, revision=revision, option="=")  # before any Hub call: nothing written outside
     try:
         return Path(snapshot_download(repo_id, revision=revision, token=token, ignore_patterns=ignore))
     except (HfHubHTTPError, OSError, ValueError) as exc:

@@ -56,6 +56,7 @@ from preshard.errors import (
     SourceNotFoundError,
     SourceUnreachableError,
 )
+from preshard.format.hub_names import check_hub_arguments, check_subfolder, path_problem
 from preshard.format.jsonio import read_json
 from preshard.sources.hub_integrity import check_downloaded
 from preshard.sources.hub_retry import (
@@ -131,7 +132,7 @@ def download_source(
     variants such as `*.fp16.safetensors`). With HF_HUB_OFFLINE=1, or when the Hub cannot be reached, the files
     come from the cache.
     """
-    subfolder = clean_subfolder(subfolder)
+    subfolder = check_hub_arguments(repo_id, revision=revision, subfolder=subfolder)  # before any Hub call
     res, index, small = _open(repo_id, subfolder, revision, token)
     weights = _index_files(res, subfolder, index) if index is not None else _single_file(res, subfolder)
     snapshot = _fetch(res, [join_path(subfolder, name) for name in weights], token)
@@ -150,7 +151,7 @@ def source_headers(
     (`huggingface_hub.HfApi.parse_safetensors_file_metadata`: the first 100 kB, then the rest of a larger header),
     or from the cache when the file is already there. Works offline from the cache.
     """
-    subfolder = clean_subfolder(subfolder)
+    subfolder = check_hub_arguments(repo_id, revision=revision, subfolder=subfolder)  # before any Hub call
     res, index, small = _open(repo_id, subfolder, revision, token)
     weights = _index_files(res, subfolder, index) if index is not None else _single_file(res, subfolder)
     _require(res, [join_path(subfolder, name) for name in weights])
@@ -176,7 +177,7 @@ def download_files(
     reads. For follow-up calls, pass the returned `commit` as `revision`: every file then comes from the same commit,
     and files already in the cache need no request at all.
     """
-    subfolder = clean_subfolder(subfolder)
+    subfolder = check_hub_arguments(repo_id, revision=revision, subfolder=subfolder)  # before any Hub call
     names = list(dict.fromkeys(files))
     if not names:
         raise SourceError(f"no file of Hub repo {repo_id} was asked for; name the files to download")
@@ -552,18 +553,13 @@ def offline_mode() -> bool:
 
 
 def clean_subfolder(subfolder: str | None) -> str | None:
-    if subfolder is None:
-        return None
-    cleaned = subfolder.strip().strip("/")
-    if not cleaned:
-        return None
-    if not _is_relative(cleaned):
-        raise SourceError(f"subfolder {subfolder!r} is not a folder inside the repo; use a path like 'transformer'")
-    return cleaned
+    """The subfolder checked (`format/hub_names.check_subfolder`: a relative path of plain names; a trailing `/`
+    dropped), None for the repo's top. Raises UsageError otherwise."""
+    return check_subfolder(subfolder)
 
 
 def _is_relative(path: str) -> bool:
-    return not path.startswith("/") and "\\" not in path and all(p not in ("", ".", "..") for p in path.split("/"))
+    return path_problem(path) is None
 
 
 def join_path(subfolder: str | None, name: str) -> str:

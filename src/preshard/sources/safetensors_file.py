@@ -97,6 +97,10 @@ def parse_header(path: Path, size: int, raw: bytes, mtime_ns: int = 0) -> Safete
         header = json.loads(text)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         raise SourceError(f"{where}: header is not valid JSON; the file is corrupt or not safetensors") from None
+    except ValueError:  # an integer of more digits than Python converts (4300 by default)
+        raise SourceError(
+            f"{where}: header holds a number too long to read; the file is corrupt or not safetensors"
+        ) from None
     if not isinstance(header, dict):
         raise SourceError(f"{where}: header is not a JSON object; the file is corrupt or not safetensors")
     metadata = header.pop("__metadata__", None) or {}

@@ -21,7 +21,7 @@ from preshard.converter.pipeline_folder import (
     ComponentChoice,
     is_text_encoder,
     layers_to_keep,
-    parse_component_choice,
+    parse_component_choices,
     plan_pipeline,
 )
 from preshard.errors import SourceError, UsageError
@@ -136,11 +136,7 @@ def plan_pipeline_job(
     index = read_pipeline_index(folder) if folder.is_dir() else None
     if index is None:
         raise SourceError(f"{source} is not a local pipeline folder (no model_index.json or modular_model_index.json)")
-    choices = (
-        dict(components)
-        if isinstance(components, dict)
-        else dict(parse_component_choice(c) for c in (components or []))
-    )
+    choices = dict(components) if isinstance(components, dict) else parse_component_choices(components or [])
     planned = plan_pipeline(folder, index, resolve_mesh(None, 1, None, None, None, None), choices)
     cast = parse_cast(dtype)
     itemsize = None if cast is None else cast.itemsize
