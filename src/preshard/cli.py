@@ -398,8 +398,18 @@ def inspect(checkpoint, subfolder, revision, token, as_json, quiet, progress):
 
     CHECKPOINT is a converted folder or a Hub repo id holding one (only its manifest.json is downloaded).
     """
-    from preshard.tools.inspect import inspect_data, inspect_table, read_checkpoint_manifest
+    from preshard.tools.inspect import (
+        inspect_data,
+        inspect_pipeline,
+        inspect_table,
+        read_checkpoint_manifest,
+        read_pipeline,
+    )
 
+    record = read_pipeline(checkpoint) if not (subfolder or revision) else None
+    if record is not None:  # a converted pipeline folder: each component, its treatment and checks
+        data, text = inspect_pipeline(checkpoint, record)
+        return _emit({"command": "inspect", **data}, text, as_json, quiet)
     with _hub_progress(_progress(progress, quiet)):
         manifest = read_checkpoint_manifest(checkpoint, subfolder=subfolder, revision=revision, token=token)
     _emit({"command": "inspect", **inspect_data(manifest)}, inspect_table(manifest), as_json, quiet)
@@ -417,11 +427,11 @@ def verify_command(checkpoint, source, subfolder, revision, token, as_json, quie
     Prints one line per problem and exits 1 if anything is wrong; exits 0 with a one-line summary if not
     (with --quiet: the problems only).
     """
-    from preshard.tools.verify import verify_checkpoint
+    from preshard.tools.verify import verify_folder
 
     progress = _progress(progress, quiet)
     with _hub_progress(progress):
-        result = verify_checkpoint(
+        result = verify_folder(
             checkpoint, source=source, subfolder=subfolder, revision=revision, token=token, progress=progress
         )
     if as_json:

@@ -66,9 +66,11 @@ from preshard.format.pipeline_record import (
     PipelineIndex,
     PipelineRecord,
     is_pipeline_record,
+    library_problem,
     read_pipeline_index,
     read_pipeline_record,
 )
+from preshard.format.pipeline_seal import seal_pipeline_record
 from preshard.format.publish import fsync_dir
 from preshard.plans.model_class import is_transformers_config
 from preshard.plans.registry import builtin_plan_for_class
@@ -233,6 +235,9 @@ def plan_pipeline(
                 f"complete the pipeline folder, or leave it out with --component {c.name}:skip"
             )
         choice = choices.get(c.name)
+        problem = library_problem(c.name, c.library, c.class_name, choice.treatment if choice else "whole")
+        if problem is not None:  # checked before anything reads the component: no module the index names is imported
+            raise SourceError(f"{index.file_name}: {problem}; fix the pipeline's index")
         if choice is not None and choice.treatment == "skipped":
             planned.append(ComponentPlan(ComponentRecord(c.name, c.library, c.class_name, "skipped"), None))
             continue
@@ -556,6 +561,7 @@ def convert_pipeline(
             remove_inside(work, marker)
         for kept in work.glob(".*.kept"):  # the text encoders' kept layers, converted: not part of the output
             remove_inside(work, kept)
+        record = seal_pipeline_record(work, record)  # every file no manifest covers hashed, the record sealed
         path = work / PIPELINE_RECORD_NAME  # last: a partial folder without it is never mistaken for an output
         path.write_text(dumps_indented(record.to_dict()) + "\n")
         fsync_file(path)

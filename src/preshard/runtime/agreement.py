@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 
 from preshard import errors
-from preshard.errors import CorruptCheckpointError, MismatchError, PreshardError
+from preshard.errors import CorruptCheckpointError, JobTimeoutError, MismatchError, PreshardError
 from preshard.runtime import collectives
 from preshard.runtime.devices import RankDevice
 
@@ -29,14 +29,22 @@ MESSAGE_CHARS = 1500
 SHOWN_GROUPS = 4
 
 
-def _exchange(rank_device: RankDevice, record: dict) -> list[dict]:
+def _exchange(rank_device: RankDevice, record: dict, doing: str = "loading") -> list[dict]:
+    """Every rank's `record`. A rank that is gone (killed or crashed: gloo's "Connection closed by peer", a broken
+    pipe, the group's timeout) is one line, not the backend's error."""
     if rank_device.world_size == 1:
         return [record]
     data = json.dumps(record).encode()
     if len(data) > RECORD_BYTES:  # only a message can be that long
         record = {**record, "error": [record["error"][0], record["error"][1][:200]]}
         data = json.dumps(record).encode()[:RECORD_BYTES]
-    gathered = collectives.all_gather_bytes(data, RECORD_BYTES, rank_device.device)
+    try:
+        gathered = collectives.all_gather_bytes(data, RECORD_BYTES, rank_device.device)
+    except RuntimeError as exc:  # torch.distributed's DistError kinds are RuntimeErrors
+        raise JobTimeoutError(
+            f"another rank of this job left while {doing} (killed, crashed or stopped: "
+            f"{' '.join(str(exc).split())[:200]}); nothing was returned on this rank: check the other ranks' logs"
+        ) from None
     out = []
     for raw in gathered:
         try:
@@ -75,8 +83,9 @@ def _ranks(ranks: list[int], limit: int = 4) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {shown}"
 
 
-def compare_requests(records: list[dict]) -> None:
-    """Every rank asked for the same things, or one MismatchError naming the first that differs."""
+def compare_requests(records: list[dict], call: str = "load_sharded") -> None:
+    """Every rank asked for the same things, or one MismatchError naming the first that differs (`call`: what the
+    ranks called, for the message)."""
     fields: list[str] = []
     for record in records:
         fields += [k for k in record.get("requests", {}) if k not in fields]
@@ -87,7 +96,7 @@ def compare_requests(records: list[dict]) -> None:
         if len(seen) > 1:
             parts = [f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r[:4]))} {v}" for v, r in seen.items()]
             raise MismatchError(
-                f"the ranks of this job called load_sharded with different {field}: {'; '.join(parts[:4])}; every "
+                f"the ranks of this job called {call} with different {field}: {'; '.join(parts[:4])}; every "
                 "rank must pass the same arguments (nothing was loaded)"
             )
 
@@ -99,6 +108,9 @@ def agree_on_checkpoint(
     error: BaseException | None,
     checkpoint: str,
     requests: dict | None = None,
+    *,
+    what: str = "manifest",
+    call: str = "load_sharded",
 ) -> None:
     """Every rank opened the same checkpoint (manifest digest and Hub commit), or every rank raises.
 
@@ -107,15 +119,16 @@ def agree_on_checkpoint(
         error: what stopped this rank from opening it, if anything (it is raised here, after the exchange).
         checkpoint: the checkpoint as the caller named it (for the message).
         requests: what this rank was asked for (`compare_requests`: dtype, mesh, ...), the same on every rank.
+        what, call: what the digest is of ("pipeline record"), and what the ranks called, for the messages.
 
     Raises:
         MismatchError: the ranks opened different checkpoints (the same line on every rank).
         The error of this rank, or of the first rank that failed (its class, naming the rank).
     """
     record = {"digest": digest, "commit": commit, "error": _describe(error), "requests": requests or {}}
-    records = _exchange(rank_device, record)
+    records = _exchange(rank_device, record, "opening the checkpoint")
     raise_failures(records, error, "to open the checkpoint")
-    compare_requests(records)
+    compare_requests(records, call)
     groups: dict[tuple, list[int]] = {}
     for rank, record in enumerate(records):
         groups.setdefault((record.get("digest"), record.get("commit")), []).append(rank)
@@ -123,8 +136,8 @@ def agree_on_checkpoint(
         return
     parts = []
     for (seen_digest, seen_commit), ranks in list(groups.items())[:SHOWN_GROUPS]:
-        what = f"manifest {str(seen_digest)[:12]}" + (f" (commit {seen_commit[:12]})" if seen_commit else "")
-        parts.append(f"{_ranks(ranks)} {what}")
+        seen = f"{what} {str(seen_digest)[:12]}" + (f" (commit {seen_commit[:12]})" if seen_commit else "")
+        parts.append(f"{_ranks(ranks)} {seen}")
     more = f" and {len(groups) - SHOWN_GROUPS} more" if len(groups) > SHOWN_GROUPS else ""
     hub = any(c for _, c in groups)
     raise MismatchError(
@@ -134,16 +147,18 @@ def agree_on_checkpoint(
     )
 
 
-def agree_on_outcome(rank_device: RankDevice, error: BaseException | None, replaced: str | None) -> None:
+def agree_on_outcome(
+    rank_device: RankDevice, error: BaseException | None, replaced: str | None, doing: str = "while loading"
+) -> None:
     """Every rank read its shard of the checkpoint it agreed on, and the checkpoint is still that one, or every rank
-    raises.
+    raises (`doing`: what the ranks did, for the message).
 
     Raises:
         CorruptCheckpointError: a rank saw the checkpoint replaced or modified during the load (the same line on
             every rank). The error of this rank, or of the first rank that failed while loading.
     """
-    records = _exchange(rank_device, {"error": _describe(error), "replaced": replaced})
-    raise_failures(records, error, "while loading")
+    records = _exchange(rank_device, {"error": _describe(error), "replaced": replaced}, doing.removeprefix("while "))
+    raise_failures(records, error, doing)
     for rank, record in enumerate(records):
         if record.get("replaced"):
             raise CorruptCheckpointError(

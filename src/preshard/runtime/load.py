@@ -229,6 +229,7 @@ def _load_held(
         aliases = tied_parameters(net)
         tied = tied_splits(manifest, aliases)  # before reading: a plan that leaves one out is refused at once
         report = _new_report(rank_device, run_mesh, groups, checkpoint)
+        report.manifest_digest = manifest.digest
         sharded = localise(net, manifest)
         report.heads_divided = divide_heads(net, manifest)
         for name, kv_groups in localise_kv_groups(net, manifest).items():

@@ -77,6 +77,7 @@ def join_job(
     *,
     timeout: float = DEFAULT_TIMEOUT_S,
     error: BaseException | None = None,
+    call: str = "load_sharded",
 ) -> RankDevice:
     """This rank's device, with the process group made (if the job has several ranks) once every rank has joined
     and agreed on `requests`; in a process group that exists already, once its ranks agreed (`agree_in_group`).
@@ -86,6 +87,7 @@ def join_job(
         requests: what must be the same on every rank (JSON-able values: dtype, mesh, checkpoint...).
         timeout: seconds to wait for the other ranks to join.
         error: what already stopped this rank (a bad argument): told to the others, then raised.
+        call: what the ranks called ("load_pipeline"), for the messages.
 
     Raises:
         JobTimeoutError: a rank did not join within `timeout` (the same line on every rank that waited).
@@ -97,7 +99,7 @@ def join_job(
     except UsageError as exc:
         error, timeout = error or exc, DEFAULT_TIMEOUT_S
     if dist.is_initialized():
-        return agree_in_group(device, requests, timeout=timeout, error=error)
+        return agree_in_group(device, requests, timeout=timeout, error=error, call=call)
     if _launched() <= 1:
         if error is not None:
             raise error
@@ -111,7 +113,7 @@ def join_job(
         return init_rank_device(device)  # the requests are compared in the checkpoint agreement (agreement.py)
     store, rank, world = _meet(timeout)
     record = {"error": _describe(error) if error else None, "requests": {"device": kind, **requests}}
-    _agree(store, JOIN_PREFIX, rank, world, record, error, timeout)
+    _agree(store, JOIN_PREFIX, rank, world, record, error, timeout, call=call)
     return init_rank_device(device, store=store)
 
 
@@ -121,6 +123,7 @@ def agree_in_group(
     *,
     timeout: float = DEFAULT_TIMEOUT_S,
     error: BaseException | None = None,
+    call: str = "load_sharded",
 ) -> RankDevice:
     """This rank's device in the process group that exists already, once every rank of it has agreed on `requests`
     in the group's store, within `timeout` seconds (not the group's own timeout).
@@ -156,8 +159,8 @@ def agree_in_group(
         return rank_device
     record = {"error": _describe(error) if error else None, "requests": {"device": kind, **requests}}
     where = "the process group's store"
-    call = _store_call(lambda: store.add(CALLS.format(rank), 1), where)
-    _agree(store, CALL_PREFIX.format(call), rank, world, record, error, timeout, where=where)
+    number = _store_call(lambda: store.add(CALLS.format(rank), 1), where)
+    _agree(store, CALL_PREFIX.format(number), rank, world, record, error, timeout, where=where, call=call)
     assert rank_device is not None  # its error was raised by _agree otherwise
     return rank_device
 
@@ -184,12 +187,13 @@ def _agree(
     error: BaseException | None,
     timeout: float,
     where: str = "the job's store",
+    call: str = "load_sharded",
 ) -> None:
     """Write this rank's record under `prefix`, wait for every rank's, and raise as every rank does."""
     records = _exchange(store, prefix, rank, world, record, timeout, where)
     try:
         raise_failures(records, error, "before joining the job")
-        compare_requests(records)
+        compare_requests(records, call)
     finally:
         _leave(store, prefix, rank, world, timeout)
 

@@ -23,6 +23,7 @@ class LoadReport:
     device: str
     backend: str
     checkpoint: str
+    manifest_digest: str = ""  # the digest of the manifest this load read (a pipeline checks it against its record)
     hooks: dict[str, list[str]] = field(default_factory=dict)
     heads_divided: dict[str, list[str]] = field(default_factory=dict)
     buffers_placed: list[str] = field(default_factory=list)

@@ -176,3 +176,77 @@ def inspect_table(manifest: Manifest) -> str:
 
 def _ranges(ranks: list[int]) -> str:
     return ",".join(map(str, ranks)) if len(ranks) <= 8 else f"{','.join(map(str, ranks[:8]))},... ({len(ranks)})"
+
+
+def read_pipeline(checkpoint: str | Path) -> Any:
+    """The sealed record of a local converted pipeline folder, or None where `checkpoint` is not one (no
+    `preshard_pipeline.json` beside no manifest).
+
+    Raises:
+        CorruptCheckpointError: a record that is edited, damaged or of another version.
+    """
+    from preshard.format.folder import CheckpointFolder
+    from preshard.format.pipeline_record import PIPELINE_RECORD_NAME, parse_pipeline_record
+
+    path = Path(checkpoint)
+    if not path.is_dir() or not (path / PIPELINE_RECORD_NAME).exists() or (path / MANIFEST_NAME).exists():
+        return None
+    folder = CheckpointFolder(path)
+    return parse_pipeline_record(folder.read_bytes(PIPELINE_RECORD_NAME), folder.where(PIPELINE_RECORD_NAME))
+
+
+def inspect_pipeline(checkpoint: str | Path, record: Any) -> tuple[dict[str, Any], str]:
+    """What `inspect` says of a converted pipeline: each component (library, class, treatment, TP degree, and how it
+    is checked: a sharded one by its manifest, whose digest the record holds; a whole one by its files' sizes and
+    xxh3_128 in the record), as JSON data and as a table.
+
+    Example:
+        >>> data, text = inspect_pipeline("wan-tp4", read_pipeline("wan-tp4"))  # doctest: +SKIP
+    """
+    path = Path(checkpoint)
+    by_component: dict[str, list[Any]] = {}
+    for f in record.files:
+        by_component.setdefault(f.name.split("/")[0] if "/" in f.name else "", []).append(f)
+    components = []
+    for c in record.components.values():
+        files = by_component.get(c.name, [])
+        entry: dict[str, Any] = {
+            "name": c.name, "library": c.library, "class": c.class_name, "treatment": c.treatment, "tp": c.tp,
+            "files": [f.to_dict() for f in files], "bytes": sum(f.size for f in files),
+        }  # fmt: skip
+        if c.treatment == "sharded":
+            manifest = read_manifest(path / c.name)
+            entry.update(
+                manifest_digest=c.manifest_digest, mesh=manifest.mesh.to_dict(), tensors=len(manifest.tensors),
+                bytes=entry["bytes"] + sum(f.size for f in manifest.files),
+                checks=f"manifest {c.manifest_digest[:12]}... (its data files, .metadata and config.json by checksum)",
+            )  # fmt: skip
+        elif c.treatment == "whole":
+            entry["checks"] = f"{plural(len(files), 'file')} by size and xxh3_128"
+        else:
+            entry["checks"] = "left out (the index names it [null, null])"
+        if c.left_out is not None:
+            entry["left_out"] = c.left_out.to_dict()
+        components.append(entry)
+    top = by_component.get("", [])
+    data = {
+        "kind": "pipeline", "format_version": record.to_dict()["format_version"], "digest": record.digest,
+        "index": record.index_name, "pipeline_class": record.pipeline_class, "mesh": record.mesh,
+        "source": record.source, "created": record.created, "components": components,
+        "top_level_files": [f.to_dict() for f in top],
+    }  # fmt: skip
+    lines = [
+        f"preshard converted pipeline (record v{data['format_version']}, digest {record.digest}, {record.created})",
+        f"pipeline: {record.pipeline_class} ({record.index_name}), converted for tp={record.mesh.get('tp')}",
+        f"source:   {record.source}",
+        "",
+        f"{'component':<18} {'treatment':<10} {'tp':>3} {'size':>10}  {'class':<44} checks",
+    ]
+    for e in components:
+        lines.append(
+            f"{e['name']:<18} {e['treatment']:<10} {e['tp'] or '-':>3} {human_bytes(e['bytes']):>10}  "
+            f"{e['library'] + '.' + e['class']:<44} {e['checks']}"
+        )
+    lines.append(f"{'(top level)':<18} {'':<10} {'':>3} {human_bytes(sum(f.size for f in top)):>10}  "
+                 f"{'':<44} {plural(len(top), 'file')} by size and xxh3_128")  # fmt: skip
+    return data, "\n".join(lines)

@@ -182,6 +182,34 @@ def verify_checkpoint(
     return result
 
 
+def verify_folder(
+    checkpoint: str | Path,
+    *,
+    source: str | Path | None = None,
+    subfolder: str | None = None,
+    revision: str | None = None,
+    token: str | bool | None = None,
+    progress: bool | None = False,
+) -> VerifyResult | PipelineVerifyResult:
+    """`preshard verify`: a converted pipeline folder (it holds `preshard_pipeline.json` and no manifest) by
+    `verify_pipeline`, anything else by `verify_checkpoint` (same arguments).
+
+    Raises:
+        UsageError: `source` given for a pipeline folder. As `verify_checkpoint` otherwise.
+    """
+    path = Path(checkpoint)
+    if is_pipeline_folder(path) and not os.path.lexists(path / MANIFEST_NAME):
+        if source is not None:
+            raise UsageError(
+                f"--source compares one checkpoint with its source; {path} is a converted pipeline: verify it without "
+                f"--source, or one sharded component with verify {path}/NAME --source SOURCE --subfolder NAME"
+            )
+        return verify_pipeline(path, progress=progress)
+    return verify_checkpoint(
+        checkpoint, source=source, subfolder=subfolder, revision=revision, token=token, progress=progress
+    )
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Data files: one sequential pass each for the file hash, every chunk's hash and every record's framing
 
@@ -409,3 +437,122 @@ def _check_source_files(manifest: Manifest, src, reader, result: VerifyResult) -
             result.add(f"source file {name} is {actual[name].size} bytes, the manifest recorded {recorded[name].size}")
         elif reader.file_hash(actual[name].path) != recorded[name].xxh3_128:
             result.add(f"source file {name} has changed since the conversion (its xxh3_128 differs)")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A converted pipeline folder: its sealed record, every file it lists, each sharded component as a checkpoint
+
+
+@dataclass
+class PipelineVerifyResult:
+    """What `verify_pipeline` found: `problems` (one line each, naming the file) and, per component, its checks."""
+
+    checkpoint: str
+    problems: list[str] = field(default_factory=list)
+    components: dict[str, dict] = field(default_factory=dict)  # name -> {treatment, tp, files, ok, ...}
+    files: int = 0
+    bytes_hashed: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def add(self, problem: str) -> None:
+        self.problems.append(" ".join(problem.split()))
+
+    def summary(self) -> str:
+        parts = []
+        for name, c in self.components.items():
+            what = c["treatment"] + (f" tp={c['tp']}" if c.get("tp") else "")
+            parts.append(f"{name} {what}" + ("" if c["ok"] else " (damaged)"))
+        what = (
+            f"pipeline of {plural(len(self.components), 'component')} ({', '.join(parts)}); "
+            f"{plural(self.files, 'file')} of the record ({human_bytes(self.bytes_hashed)} hashed)"
+        )
+        if self.ok:
+            return f"OK {self.checkpoint}: {what}"
+        return f"FAILED {self.checkpoint}: {plural(len(self.problems), 'problem')}; checked {what}; {FIX}"
+
+    def report_lines(self, limit: int = MAX_SHOWN) -> list[str]:
+        lines = list(self.problems[:limit])
+        if len(self.problems) > limit:
+            lines.append(f"... and {len(self.problems) - limit} more")
+        return lines
+
+    def to_dict(self) -> dict:
+        return {
+            "checkpoint": self.checkpoint, "kind": "pipeline", "ok": self.ok, "problems": list(self.problems),
+            "components": self.components, "files": self.files, "bytes_hashed": self.bytes_hashed,
+            "fix": None if self.ok else FIX,
+        }  # fmt: skip
+
+
+def is_pipeline_folder(path: str | Path) -> bool:
+    """Whether `path` is a converted pipeline (it holds `preshard_pipeline.json`, readable or not)."""
+    from preshard.format.pipeline_record import PIPELINE_RECORD_NAME
+
+    return Path(path).is_dir() and os.path.lexists(Path(path) / PIPELINE_RECORD_NAME)
+
+
+def verify_pipeline(checkpoint: str | Path, *, progress: bool | None = False) -> PipelineVerifyResult:
+    """Check a converted pipeline: the record's seal, every file it lists (size and xxh3_128), no file unlisted in
+    a component kept whole, and each sharded component as `verify_checkpoint` does, its manifest the one recorded.
+
+    Args:
+        checkpoint: the folder `convert-checkpoint PIPELINE OUT` wrote.
+        progress: show progress of each sharded component's check (None: when stderr is a terminal).
+
+    Returns:
+        A `PipelineVerifyResult`; `result.ok` is False with one line per problem, naming the file.
+
+    Example:
+        >>> verify_pipeline("wan-tp4").ok  # doctest: +SKIP
+        True
+    """
+    from preshard.format.pipeline_files import check_files, unlisted_files, unlisted_problem
+    from preshard.format.pipeline_record import PIPELINE_RECORD_NAME, parse_pipeline_record
+
+    path = Path(checkpoint)
+    result = PipelineVerifyResult(str(path))
+    folder = CheckpointFolder(path)
+    try:
+        record = parse_pipeline_record(folder.read_bytes(PIPELINE_RECORD_NAME), folder.where(PIPELINE_RECORD_NAME))
+    except (CorruptCheckpointError, OSError) as exc:
+        result.add(str(exc))
+        return result
+    by_component: dict[str, list[str]] = {}
+    check = check_files(folder, record.files)
+    names = unlisted_files(path, record.files, [c.name for c in record.whole()])
+    problems = check.problems + [unlisted_problem(folder.where(n), n.split("/")[0]) for n in names]
+    for problem in problems:
+        result.add(problem)
+    result.files, result.bytes_hashed = len(record.files), check.hashed_bytes
+    for f in record.files:
+        by_component.setdefault(f.name.split("/")[0] if "/" in f.name else "", []).append(f.name)
+    for c in record.components.values():
+        mine = by_component.get(c.name, [])
+        damaged = [p for p in problems if f"{path / c.name}/" in p]
+        entry: dict = {"library": c.library, "class": c.class_name, "treatment": c.treatment, "tp": c.tp}
+        if c.treatment == "sharded":
+            sub = verify_checkpoint(path / c.name, progress=progress)
+            for problem in sub.problems:
+                result.add(f"component {c.name}: {problem}")
+            try:
+                digest = read_manifest(path / c.name).digest
+            except CorruptCheckpointError:
+                digest = None  # reported by its verify
+            if digest is not None and digest != c.manifest_digest:
+                result.add(
+                    f"{path / c.name / MANIFEST_NAME} is not the manifest {PIPELINE_RECORD_NAME} records (digest "
+                    f"{digest[:12]}, recorded {c.manifest_digest}): the component was replaced after conversion"
+                )
+                sub.add("manifest not the one recorded")
+            result.bytes_hashed += sub.bytes_hashed
+            entry.update(
+                ok=sub.ok and not damaged, manifest_digest=c.manifest_digest, tensors=sub.tensors,
+                data_files=sub.files, other_files=len(mine),
+            )  # fmt: skip
+        else:
+            entry.update(ok=not damaged, files=len(mine))
+        result.components[c.name] = entry
+    return result
