@@ -65,6 +65,7 @@ from preshard.plans.known_code import (
     SINGLE_STREAM_BLOCKS,
     custom_classes,
     known_by_name,
+    library_class,
     known_feed_forward,
     reached_units,
     unknown_attention,
@@ -214,7 +215,13 @@ def _place(origin: str, model: nn.Module, modules: dict[str, nn.Module], tp: int
             _single_stream(origin, name, width, modules, styles, placed.widths)
             placed.units.add(block)
             continue
-        for key in [k for k in styles if k.startswith(f"{name}.")]:  # its block's code joins its heads: whole
+        if library_class(type(holder)):  # a diffusers block whose forward reduces it some other way: unknown
+            raise PlanError(
+                f"{origin}: attention {name} has no output projection and its block {block or '(the model)'} "
+                f"({type(holder).__name__}) is not a single-stream block preshard knows (proj_out over cat([attention, "
+                "proj_mlp])); write a plan file for this model (--plan FILE)"
+            )
+        for key in [k for k in styles if k.startswith(f"{name}.")]:  # its custom block joins its heads: whole
             del styles[key]
         divides.pop(name, None)
         selected.pop(name, None)

@@ -111,9 +111,19 @@ def known_by_name(cls: type, names: Iterable[str]) -> bool:
     return qualified(cls) in names and library_class(cls, ("diffusers.",))
 
 
+def hooked(module: nn.Module) -> str | None:
+    """The first module in `module` (itself included) with a forward hook or pre-hook: code that runs around it."""
+    for name, m in module.named_modules():
+        if m._forward_hooks or m._forward_pre_hooks:
+            return name or "itself"
+    return None
+
+
 def unknown_attention(module: nn.Module) -> str | None:
     """Why inference does not know how attention `module` uses its heads, or None where it does."""
     cls = type(module)
+    if (where := hooked(module)) is not None:
+        return f"a forward hook of the user's runs on {where}"
     if not library_class(cls, ("diffusers.",)):
         return f"its class {cls.__name__} is not one of diffusers' attention classes"
     processor = getattr(module, "processor", None)
@@ -138,6 +148,8 @@ def _init_parameters(cls: type) -> tuple[str, ...]:
 def known_feed_forward(module: nn.Module) -> bool:
     """Whether `module`'s forward is one inference knows (see the module docstring)."""
     cls = type(module)
+    if hooked(module) is not None:
+        return False
     if cls is nn.Sequential:
         return all(isinstance(m, (nn.Linear, *ELEMENTWISE)) and type(m).forward is not nn.Module.forward
                    for m in module.children())  # fmt: skip
@@ -190,8 +202,8 @@ def reached_units(model: nn.Module, units: Iterable[str]) -> dict[str, str]:
                         continue
                     for unit in unit_names:
                         inside = _below(path, unit) and (path != unit or deeper)
-                        walks = use == "walk" and _below(unit, path)
-                        if inside or walks or (path == unit and use == "passed"):
+                        walks = use in ("walk", "passed") and _below(unit, path)  # handed on: may reach in
+                        if inside or walks:
                             what = ".".join(chain) or "self"
                             what += "'s modules" if use == "walk" else ""
                             verb = {"walk": "walks", "passed": "passes"}.get(use, "uses")
@@ -268,6 +280,7 @@ def _chains(function: ast.FunctionDef | ast.AsyncFunctionDef) -> tuple[tuple[_Ch
     uses: set[tuple[_Chain, str]] = set()
     calls = [n for n in ast.walk(function) if isinstance(n, ast.Call)]
     called = {id(n.func) for n in calls}
+    called |= {id(a) for n in calls if _checkpointing(n.func) for a in n.args[:1]}  # it calls what it is given
     passed = {id(a) for n in calls for a in (*n.args, *(k.value for k in n.keywords))}
     parents = {id(c): p for p in ast.walk(function) for c in ast.iter_child_nodes(p)}
     for node in ast.walk(function):
@@ -292,6 +305,12 @@ def _chains(function: ast.FunctionDef | ast.AsyncFunctionDef) -> tuple[tuple[_Ch
         if isinstance(node, ast.Name) and node.id in ("getattr", "vars") and id(node) in called:
             uses.add(((), "walk"))
     return tuple(sorted(uses))
+
+
+def _checkpointing(func: ast.AST) -> bool:
+    """diffusers' gradient checkpointing call (`self._gradient_checkpointing_func(block, ...)`), which calls its
+    first argument with the others."""
+    return isinstance(func, ast.Attribute) and func.attr == "_gradient_checkpointing_func"
 
 
 def _chain_of(node: ast.AST, aliases: dict[str, set[_Chain]]) -> set[_Chain]:
