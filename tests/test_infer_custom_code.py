@@ -30,7 +30,7 @@ from preshard.plans.infer import infer_plan_keeping
 
 TOL = 1e-5
 # Custom code that is right at any TP degree: split as its twin, it still matches (no control).
-RIGHT_WHEN_SPLIT = {"processor-custom-but-correct", "block-walks-modules"}
+RIGHT_WHEN_SPLIT = {"processor-custom-but-correct"}
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -130,3 +130,28 @@ def test_what_is_kept_whole_is_named_with_why():
     # the twin, all diffusers code, keeps nothing whole
     with torch.device("meta"):
         assert infer_plan_keeping(custom_models.CustomModel(), {}, 2)[1] == {}
+
+
+@pytest.mark.quick
+def test_a_forward_hook_a_lambda_processor_or_a_diffusers_block_it_does_not_know_are_not_split():
+    from torch import nn
+
+    from preshard.plans.known_code import known_feed_forward, library_class, unknown_attention
+
+    with torch.device("meta"):
+        model = custom_models.CustomModel()
+    assert unknown_attention(model.blocks[0].attn) is None and known_feed_forward(model.ff_out)
+    model.ff_out.net[2].register_forward_pre_hook(lambda module, args: args)
+    assert not known_feed_forward(model.ff_out)  # code of the user's runs inside it
+    model.blocks[0].attn.processor = lambda attn, hidden_states, **kwargs: hidden_states
+    assert "its processor function is custom code" in unknown_attention(model.blocks[0].attn)
+    assert library_class(nn.Linear) and not library_class(custom_models.AttnProcessor2_0Spoof)
+    # an outputless attention in a diffusers block that is no single-stream block preshard knows: refused, named
+    with torch.device("meta"):
+        model = custom_models.CASES["single-stream-custom"]()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(infer, "library_class", lambda cls: True)
+        with pytest.raises(
+            PlanError, match=r"attention blocks\.0\.attn has no output projection and its block blocks\.0"
+        ):
+            infer_plan_keeping(model, {}, 2)

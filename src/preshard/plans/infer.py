@@ -30,7 +30,10 @@ way the router stays whole and every TP rank holds every token and routes it ali
 Whole experts rather than each expert split: the output's rows each come from one rank (exact), expert-choice
 routing balances the ranks, and the converter cuts tensors along dim 0 (docs/design.md says more). Everything else
 is replicated. What inference cannot place correctly (a Linear, a parameter or a norm inside an attention module
-that it does not recognise) is refused naming the module and why: no guess.
+that it does not recognise) is refused naming the module and why: no guess. Nor is anything split by its names and
+layout alone: only units whose code inference knows (`plans/known_code.py`: diffusers' attention and processor
+classes, the feed-forward and block classes the plans handle, by identity); a unit whose code it does not know, or
+that custom code around it reaches into, is kept whole (exact: its inputs are whole), named in the description.
 CP is not placed here: it comes from the class's own `_cp_plan`, else from `plans/infer_cp.py`, which infers one
 only where a probe of the forward on the meta device proves a shape it can split (Flux's: both sequences joined in
 every attention, position ids as inputs; or a list of per-token blocks over a patched latent, attention over the
@@ -65,8 +68,8 @@ from preshard.plans.known_code import (
     SINGLE_STREAM_BLOCKS,
     custom_classes,
     known_by_name,
-    library_class,
     known_feed_forward,
+    library_class,
     reached_units,
     unknown_attention,
 )
