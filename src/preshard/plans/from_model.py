@@ -69,11 +69,14 @@ def plan_from_model_class(
     cls = import_model_class(class_name)
     model = build_on_meta(cls, config)
     if infer or not getattr(cls, "_tp_plan", None):
-        from preshard.plans.infer import infer_plan
+        from preshard.plans.infer import infer_plan_keeping
 
-        plan = infer_plan(model, config, tp)
+        plan, whole = infer_plan_keeping(model, config, tp)
         cp = getattr(cls, "_cp_plan", None)
-        if cp:
+        local = [name for name in whole if is_attention(model.get_submodule(name))]
+        if local and not cp:  # CP routes the attention a plan splits; one kept whole would attend to its part only
+            plan = replace(plan, description=f"{plan.description}; no CP plan: attention {local[0]} is kept whole")
+        elif cp:
             plan = replace(
                 plan,
                 description=f"{plan.description}, with the class's _cp_plan",

@@ -30,7 +30,10 @@ way the router stays whole and every TP rank holds every token and routes it ali
 Whole experts rather than each expert split: the output's rows each come from one rank (exact), expert-choice
 routing balances the ranks, and the converter cuts tensors along dim 0 (docs/design.md says more). Everything else
 is replicated. What inference cannot place correctly (a Linear, a parameter or a norm inside an attention module
-that it does not recognise) is refused naming the module and why: no guess.
+that it does not recognise) is refused naming the module and why: no guess. Nor is anything split by its names and
+layout alone: only units whose code inference knows (`plans/known_code.py`: diffusers' attention and processor
+classes, the feed-forward and block classes the plans handle, by identity); a unit whose code it does not know, or
+that custom code around it reaches into, is kept whole (exact: its inputs are whole), named in the description.
 CP is not placed here: it comes from the class's own `_cp_plan`, else from `plans/infer_cp.py`, which infers one
 only where a probe of the forward on the meta device proves a shape it can split (Flux's: both sequences joined in
 every attention, position ids as inputs; or a list of per-token blocks over a patched latent, attention over the
@@ -41,7 +44,8 @@ from __future__ import annotations
 
 import inspect
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
@@ -58,6 +62,16 @@ from preshard.format.styles import (
     SplitExperts,
     Style,
     tp_norm_style,
+)
+from preshard.plans.known_code import (
+    BLOCK_MLPS,
+    SINGLE_STREAM_BLOCKS,
+    custom_classes,
+    known_by_name,
+    known_feed_forward,
+    library_class,
+    reached_units,
+    unknown_attention,
 )
 from preshard.plans.model_check import folded, is_attention, norm_size, on_input
 
@@ -102,57 +116,142 @@ def infer_plan(model: nn.Module, config: dict[str, Any] | None = None, tp: int =
     Raises:
         PlanError: a module inference cannot place correctly, named with the reason; or nothing to shard.
     """
+    return infer_plan_keeping(model, config, tp)[0]
+
+
+def infer_plan_keeping(
+    model: nn.Module, config: dict[str, Any] | None = None, tp: int = 1
+) -> tuple[Plan, dict[str, str]]:
+    """`infer_plan`, with the units it keeps whole because custom code runs them or reaches into them (module name
+    -> why; `plans/known_code.py`)."""
     cls = type(model)
     origin = f"inferred plan for {cls.__name__}"
     modules = dict(model.named_modules())
-    styles: dict[str, Style] = {}
-    divides: dict[str, tuple[str, ...]] = {}
-    selected: dict[str, tuple[tuple[str, int], ...]] = {}  # attention -> its one_kv_head attributes
-    attention = [name for name, m in modules.items() if name and is_attention(m)]
-    outputless: dict[str, int] = {}  # attention modules with no output projection -> their output width
-    for name in attention:
-        width = _attention(origin, name, modules[name], styles, divides)
-        _differential(origin, name, modules[name], styles)
-        _kv_head_select(origin, name, modules[name], tp, styles, divides, selected)
-        if width is not None:
-            outputless[name] = width
-    widths: dict[str, tuple[str, ...]] = {}  # blocks -> their attributes holding a split MLP width
-    for name, width in outputless.items():
-        _single_stream(origin, name, width, modules, styles, widths)
+    whole: dict[str, str] = {}
+    for _ in range(len(modules) + 1):  # each round keeps at least one more unit whole, or ends
+        placed = _place(origin, model, modules, tp, whole)
+        reached = {u: w for u, w in reached_units(model, placed.units).items() if u not in whole}
+        if not reached:
+            break
+        whole |= reached
+    styles, attention = placed.styles, placed.attention
+    kept = whole | placed.left
     inside = tuple(f"{name}." for name in attention)
-    for name, module in modules.items():
-        if name and not name.startswith(inside) and name not in styles:
-            if SplitExperts.unsupported(module) is None:
-                styles[name] = SplitExperts()
-                continue
-            _feed_forward(name, module, styles)
-            _block_mlp(name, module, styles)
-    _adaln(model, modules, styles)
     split_outputs = _rotary_across_heads(modules, styles, attention, inside)
     split_inputs = _rotary_inputs(model, modules, split_outputs)
+    _refuse_rotary_beside_custom_code(origin, model, split_outputs, split_inputs, whole)
     masked = {name for name in attention if _takes_mask(modules[name])}
     if not any(style.name != "replicate" for style in styles.values()):
         raise PlanError(
-            f"{origin}: found no attention or feed-forward module to shard in {cls.__name__}; "
-            "write a plan file and pass --plan plan.json"
+            f"{origin}: found no attention or feed-forward module to shard in {cls.__name__}"
+            + (f" (kept whole: {_kept(kept)})" if kept else "")
+            + "; write a plan file and pass --plan plan.json"
         )
     config = config or {}
-    return Plan(
+    selected = placed.selected
+    plan = Plan(
         name=f"inferred-{cls.__name__}",
         linear=tuple(_fold_rules(styles, modules)),
         attention=(
-            *_fold_attention(divides, modules, masked=masked, selected=selected),
-            *_fold_attention(widths, modules, context_parallel=False),
+            *_fold_attention(placed.divides, modules, masked=masked, selected=selected),
+            *_fold_attention(placed.widths, modules, context_parallel=False),
         ),
         config_divisible=tuple(
             k for k in HEAD_CONFIG_KEYS if _is_int(config.get(k)) and not (selected and k in KV_CONFIG_KEYS)
         ),
         model_classes=(cls.__name__,),
-        description=f"inferred by preshard from the modules of {cls.__name__}",
+        description=f"inferred by preshard from the modules of {cls.__name__}"
+        + (f"; kept whole, as custom code runs them: {_kept(kept)}" if kept else ""),
         origin=origin,
         tp_split_outputs=split_outputs,
         tp_split_inputs=split_inputs,
     )
+    return plan, kept
+
+
+def _kept(whole: dict[str, str]) -> str:
+    shown = [f"{name} ({why})" for name, why in sorted(whole.items())[:3]]
+    more = f" and {len(whole) - 3} more" if len(whole) > 3 else ""
+    return "; ".join(shown) + more
+
+
+@dataclass
+class _Placement:
+    styles: dict[str, Style] = field(default_factory=dict)
+    divides: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    selected: dict[str, tuple[tuple[str, int], ...]] = field(default_factory=dict)  # attention -> one_kv_head attrs
+    widths: dict[str, tuple[str, ...]] = field(default_factory=dict)  # blocks -> attributes holding a split width
+    attention: list[str] = field(default_factory=list)  # the attention modules split across heads
+    units: set[str] = field(default_factory=set)  # every module whose inside is split
+    left: dict[str, str] = field(default_factory=dict)  # feed-forwards of unknown code left whole -> why
+
+
+def _place(origin: str, model: nn.Module, modules: dict[str, nn.Module], tp: int, whole: dict[str, str]) -> _Placement:
+    """Where every unit not in `whole` goes; attention and feed-forwards whose code inference does not know are
+    added to `whole` (with why) and left out."""
+    placed = _Placement()
+    styles, divides, selected = placed.styles, placed.divides, placed.selected
+
+    def kept(name: str) -> bool:
+        return any(name == w or name.startswith(f"{w}.") or not w for w in whole)
+
+    attention_all = [name for name, m in modules.items() if name and is_attention(m)]
+    outputless: dict[str, int] = {}  # attention modules with no output projection -> their output width
+    for name in attention_all:
+        if kept(name):
+            continue
+        why = unknown_attention(modules[name])
+        if why is not None:
+            whole[name] = why
+            continue
+        width = _attention(origin, name, modules[name], styles, divides)
+        _differential(origin, name, modules[name], styles)
+        _kv_head_select(origin, name, modules[name], tp, styles, divides, selected)
+        placed.attention.append(name)
+        placed.units.add(name)
+        if width is not None:
+            outputless[name] = width
+    for name, width in outputless.items():
+        block = name.rpartition(".")[0]
+        holder = modules[block] if block else model
+        if block and not kept(block) and known_by_name(type(holder), SINGLE_STREAM_BLOCKS):
+            _single_stream(origin, name, width, modules, styles, placed.widths)
+            placed.units.add(block)
+            continue
+        if library_class(type(holder)):  # a diffusers block whose forward reduces it some other way: unknown
+            raise PlanError(
+                f"{origin}: attention {name} has no output projection and its block {block or '(the model)'} "
+                f"({type(holder).__name__}) is not a single-stream block preshard knows (proj_out over cat([attention, "
+                "proj_mlp])); write a plan file for this model (--plan FILE)"
+            )
+        for key in [k for k in styles if k.startswith(f"{name}.")]:  # its custom block joins its heads: whole
+            del styles[key]
+        divides.pop(name, None)
+        selected.pop(name, None)
+        placed.attention.remove(name)
+        placed.units.discard(name)
+        whole[name] = f"it has no output projection and its block {type(holder).__name__} is custom code"
+    inside = tuple(f"{name}." for name in attention_all)
+    for name, module in modules.items():
+        if name and not name.startswith(inside) and name not in styles and not kept(name):
+            if SplitExperts.unsupported(module) is None:
+                styles[name] = SplitExperts()
+                placed.units.add(name)
+                continue
+            found: dict[str, Style] = {}
+            _feed_forward(name, module, found)
+            _block_mlp(name, module, found)
+            if not found:
+                continue
+            if known_feed_forward(module) or known_by_name(type(module), BLOCK_MLPS):
+                styles.update(found)
+                placed.units.add(name)
+            else:  # laid out as a feed-forward, but its forward is code inference has not seen
+                why = f"its class {type(module).__name__} is not a feed-forward whose forward preshard knows"
+                placed.left[name] = why
+    for name in _adaln(model, modules, styles, kept):
+        placed.units.add(name)
+    return placed
 
 
 def _is_int(value: object) -> bool:
@@ -469,18 +568,53 @@ def _up_style(up: nn.Linear, down: nn.Linear) -> Style | None:
     return None
 
 
-def _adaln(model: nn.Module, modules: dict[str, nn.Module], styles: dict[str, Style]) -> None:
-    """Modulation projections left whole, split along their input where together they are a large share."""
+def _adaln(
+    model: nn.Module, modules: dict[str, nn.Module], styles: dict[str, Style], kept: Callable[[str], bool]
+) -> list[str]:
+    """Modulation projections left whole, split along their input where together they are a large share; returns
+    the ones split."""
     total = sum(p.numel() for p in model.parameters())
     found = [
         name
         for name, m in modules.items()
-        if isinstance(m, nn.Linear) and name not in styles and _ADALN.search(name) and not name.startswith("norm_out")
+        if isinstance(m, nn.Linear)
+        and name not in styles
+        and _ADALN.search(name)
+        and not name.startswith("norm_out")
+        and not kept(name)
     ]
     share = sum(p.numel() for n in found for p in modules[n].parameters())
-    if total and share > ADALN_SHARE * total:
-        for name in found:
-            styles[name] = ReplicatedInputRowwise()
+    if not (total and share > ADALN_SHARE * total):
+        return []
+    for name in found:
+        styles[name] = ReplicatedInputRowwise()
+    return found
+
+
+def _refuse_rotary_beside_custom_code(
+    origin: str,
+    model: nn.Module,
+    split_outputs: dict[str, dict[int, SeqDim]],
+    split_inputs: dict[str, dict[int, SplitInput]],
+    whole: dict[str, str],
+) -> None:
+    """Rotary tables split per rank reach every attention they are given to: one kept whole, or custom code that
+    may use them otherwise, would see a rank's part as the whole. Refused, naming the module."""
+    tables = [*split_outputs, *(f"the input {name}" for name in split_inputs)]
+    if not tables:
+        return
+    custom = custom_classes(model)
+    if whole or custom:
+        name, module = next(iter(custom.items())) if custom else (next(iter(whole)), None)
+        who = (
+            f"custom code ({type(module).__name__} at {name or 'the model'})"
+            if module is not None
+            else (f"attention {name}, kept whole ({whole[name]}),")
+        )
+        raise PlanError(
+            f"{origin}: the rotary tables of {tables[0]} span every head and TP gives each rank its part, but "
+            f"{who} may use them whole; write a plan file for this model (--plan FILE)"
+        )
 
 
 def _rotary_across_heads(
