@@ -241,8 +241,12 @@ def test_an_interrupted_conversion_leaves_no_output_and_resumes(sources, tmp_pat
     from preshard.converter import pipeline_folder
 
     copies: list[str] = []
-    real_copy = pipeline_folder._copy_tree
-    monkeypatch.setattr(pipeline_folder, "_copy_tree", lambda a, b: (copies.append(b.name), real_copy(a, b)))
+    real_copy = pipeline_folder.copy_component
+    monkeypatch.setattr(
+        pipeline_folder,
+        "copy_component",
+        lambda b, src, dst, work: (copies.append(dst.name), real_copy(b, src, dst, work)),
+    )
     written.clear()
     outcomes: dict = {}
     convert_pipeline(sources["wan"], out, tp=2, progress=False, outcomes=outcomes, on_tensor=written.append)
