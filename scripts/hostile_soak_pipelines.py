@@ -18,7 +18,11 @@
   functions and `load_pipeline(revision=)`, on a fake Hub with a private HF_HOME: one line, no request made, nothing
   written anywhere; `feature/x` and `refs/pr/1`-style revisions resolve (the control).
 
-    python scripts/hostile_soak.py --classes indexes,pipelinks,pipeedges,hubargs
+- hubpipes: a Hub pipeline repo whose index names `..`, `../victim`, `.`, `""`, `a/b` or an absolute path: one
+  line, nothing written outside the HF cache; the controls convert, fetching each file once and nothing the
+  conversion does not read (a folder the index does not name, `.bin` and fp16 copies), a skipped component not at all.
+
+    python scripts/hostile_soak.py --classes indexes,pipelinks,pipeedges,hubargs,hubpipes
 """
 
 from __future__ import annotations
@@ -424,9 +428,76 @@ def hub_cases(soak: Soak) -> list[Case]:
     return cases
 
 
+# -- hubpipes
+
+
+def _pipeline_files(index: dict | None = None) -> dict[str, bytes]:
+    files = {
+        "model_index.json": json.dumps(index or INDEX).encode(),
+        "README.md": b"a pipeline\n",
+        "scheduler/scheduler_config.json": b'{"_class_name": "FlowMatchEulerDiscreteScheduler"}',
+        "vae/config.json": b"{}",
+        "vae/diffusion_pytorch_model.safetensors": safetensors_bytes(),
+    }
+    return files
+
+
+UNREAD = {"other/model.safetensors": b"x", "vae/diffusion_pytorch_model.bin": b"x", "vae/x.fp16.safetensors": b"x"}
+
+
+def hub_pipeline_cases(soak: Soak) -> list[Case]:
+    def hostile(name: str) -> Callable[[Path], str | None]:
+        def run(folder: Path) -> str | None:
+            with hub_env(folder) as hub:
+                hub.add_repo("org/pipe", _pipeline_files({**INDEX, name: ["diffusers", "AutoencoderKLWan"]}))
+                before = entries(folder)
+                out = folder / "out"
+                why = refused(run_cli("convert", "org/pipe", out, "--tp", "2", "--no-progress"), out, "component name")
+                after = {k: v for k, v in entries(folder).items() if not k.startswith("hf_home")}
+                if why is None and after != {k: v for k, v in before.items() if not k.startswith("hf_home")}:
+                    why = f"written outside the cache: {sorted(set(after) ^ set(before))[:3]}"
+                cache = [k for k in entries(folder) if k.startswith("hf_home/") and "models--org--pipe" not in k]
+                stray = [k for k in cache if not k.startswith(("hf_home/hub", "hf_home/xet"))]
+                if why is None and stray:
+                    why = f"written in the HF home outside the hub cache: {stray[:3]}"
+                return why
+
+        return run
+
+    def control(skip: bool) -> Callable[[Path], str | None]:
+        def run(folder: Path) -> str | None:
+            with hub_env(folder) as hub:
+                hub.add_repo("org/pipe", {**_pipeline_files(), **UNREAD})
+                out = folder / "out"
+                args = ["--component", "vae:skip"] if skip else []
+                outcome = run_cli("convert", "org/pipe", out, "--tp", "2", "--no-progress", *args)
+                if outcome.status != 0:
+                    return f"exit {outcome.status}: {outcome.stderr.strip()[-300:]}"
+                fetched = hub.downloaded("org/pipe")
+                if len(fetched) != len(set(fetched)) or set(fetched) & set(UNREAD):
+                    return f"fetched {sorted(fetched)}"
+                if skip and any(p.startswith("vae/") for p in fetched):
+                    return "a skipped component was fetched"
+                if not skip and (out / "vae" / "config.json").read_bytes() != b"{}":
+                    return "the VAE was not copied"
+                return "OUT holds a link" if any(p.is_symlink() for p in out.rglob("*")) else None
+
+        return run
+
+    cases = [
+        Case("hubpipes", f"Hub index names {n!r}", hostile(n)) for n in ["..", "../victim", ".", "", "a/b", "/abs"]
+    ]
+    cases += [
+        Case("hubpipes", "a Hub pipeline converts, nothing unread fetched (control)", control(False)),
+        Case("hubpipes", "a skipped component is not fetched (control)", control(True)),
+    ]
+    return cases
+
+
 CASES: dict[str, Callable[[Soak], list[Case]]] = {
     "indexes": index_cases,
     "pipelinks": link_cases,
     "pipeedges": edge_cases,
     "hubargs": hub_cases,
+    "hubpipes": hub_pipeline_cases,
 }

@@ -242,12 +242,11 @@ def test_an_interrupted_conversion_leaves_no_output_and_resumes(sources, tmp_pat
 
     copies: list[str] = []
     real_copy = pipeline_folder.copy_component
-
-    def counted_copy(boundary, folder, target, work):  # type: ignore[no-untyped-def]
-        copies.append(target.name)
-        return real_copy(boundary, folder, target, work)
-
-    monkeypatch.setattr(pipeline_folder, "copy_component", counted_copy)
+    monkeypatch.setattr(
+        pipeline_folder,
+        "copy_component",
+        lambda b, src, dst, work: (copies.append(dst.name), real_copy(b, src, dst, work)),
+    )
     written.clear()
     outcomes: dict = {}
     convert_pipeline(sources["wan"], out, tp=2, progress=False, outcomes=outcomes, on_tensor=written.append)

@@ -27,7 +27,7 @@ import click
 
 from preshard import __version__
 from preshard.converter.signals import command_scope, interruption, received_signal
-from preshard.errors import Interrupted, PreshardError, ResourceError, UsageError
+from preshard.errors import Interrupted, PipelineRepoError, PreshardError, ResourceError, UsageError
 
 EXIT_PROBLEMS, EXIT_USAGE = 1, 2
 EXIT_CODES_HELP = (
@@ -297,12 +297,19 @@ def convert_checkpoint_command(
     from preshard.converter.convert import ConversionOutcome, convert_checkpoint, resolve_mesh
 
     progress = _progress(progress, quiet)
-    from preshard.converter.pipeline_folder import is_pipeline_folder
+    from preshard.converter.pipeline_folder import is_hub_pipeline_id, is_pipeline_folder
 
     if subfolder is None and is_pipeline_folder(source):
         _convert_pipeline_folder(
             source, output, tp, cp, ring, ulysses, order, plan, dtype, revision, component_choices, keep_layers,
             overwrite, wait, dry_run, workers, as_json, quiet, progress, loras, quantize,
+        )  # fmt: skip
+        return
+    hub_pipeline = dict(revision=revision, token=token)  # a Hub repo that is a diffusers pipeline: converted whole
+    if subfolder is None and (component_choices or keep_layers) and is_hub_pipeline_id(source):
+        _convert_pipeline_folder(
+            source, output, tp, cp, ring, ulysses, order, plan, dtype, None, component_choices, keep_layers,
+            overwrite, wait, dry_run, workers, as_json, quiet, progress, loras, quantize, hub=hub_pipeline,
         )  # fmt: skip
         return
     if component_choices or keep_layers:
@@ -326,11 +333,18 @@ def convert_checkpoint_command(
     started = time.perf_counter()
     outcome = ConversionOutcome()
     with _hub_progress(progress):
-        manifest = convert_checkpoint(
-            source, output, tp=tp, cp=cp, ring=ring, ulysses=ulysses, order=order, plan=plan, dtype=dtype,
-            subfolder=subfolder, revision=revision, token=token, overwrite=overwrite, wait=wait, progress=progress,
-            workers=workers, loras=loras, outcome=outcome, quantize=quantize,
-        )  # fmt: skip
+        try:
+            manifest = convert_checkpoint(
+                source, output, tp=tp, cp=cp, ring=ring, ulysses=ulysses, order=order, plan=plan, dtype=dtype,
+                subfolder=subfolder, revision=revision, token=token, overwrite=overwrite, wait=wait,
+                progress=progress, workers=workers, loras=loras, outcome=outcome, quantize=quantize,
+            )  # fmt: skip
+        except PipelineRepoError:  # raised before anything is written: the repo is a whole pipeline
+            _convert_pipeline_folder(
+                source, output, tp, cp, ring, ulysses, order, plan, dtype, None, component_choices, keep_layers,
+                overwrite, wait, dry_run, workers, as_json, quiet, progress, loras, quantize, hub=hub_pipeline,
+            )  # fmt: skip
+            return
     seconds = time.perf_counter() - started
     data = {"command": "convert", "status": outcome.status, **_manifest_summary(manifest, output)}
     data |= {"kept_tensors": outcome.kept_tensors, "kept_bytes": outcome.kept_bytes, "seconds": round(seconds, 3)}
@@ -339,9 +353,10 @@ def convert_checkpoint_command(
 
 def _convert_pipeline_folder(
     source, output, tp, cp, ring, ulysses, order, plan, dtype, revision, component_choices, keep_layers, overwrite,
-    wait, dry_run, workers, as_json, quiet, progress, loras, quantize,
+    wait, dry_run, workers, as_json, quiet, progress, loras, quantize, hub: dict | None = None,
 ) -> None:  # fmt: skip
-    """convert-checkpoint on a pipeline folder: every component in one conversion (converter/pipeline_folder.py)."""
+    """convert-checkpoint on a pipeline folder (or, `hub` given: {revision, token}, a Hub pipeline repo): every
+    component in one conversion (converter/pipeline_folder.py)."""
     from preshard.converter.pipeline_folder import convert_pipeline
 
     for given, option in (
@@ -357,7 +372,7 @@ def _convert_pipeline_folder(
     record = convert_pipeline(
         source, output, tp=tp, cp=cp, ring=ring, ulysses=ulysses, order=order, components=component_choices,
         plan=plan, dtype=dtype, overwrite=overwrite, wait=wait, progress=progress, workers=workers, outcomes=outcomes,
-        keep_layers=keep_layers,
+        keep_layers=keep_layers, **(hub or {}),
     )  # fmt: skip
     seconds = time.perf_counter() - started
     components = {

@@ -10,7 +10,8 @@ kinds below, or the builtin category each kind also belongs to, as they would fo
     ├── SourceError                                     ValueError
     │   ├── SourceNotFoundError                         FileNotFoundError
     │   ├── SourceAccessError                           PermissionError
-    │   └── SourceUnreachableError                      ConnectionError
+    │   ├── SourceUnreachableError                      ConnectionError
+    │   └── PipelineRepoError                           (a Hub repo asked for as one model is a whole pipeline)
     ├── OutputError                                     ValueError
     │   ├── OutputExistsError                           FileExistsError
     │   ├── OutputPermissionError                       PermissionError
@@ -69,6 +70,11 @@ class SourceAccessError(SourceError, PermissionError):
 
 class SourceUnreachableError(SourceError, ConnectionError):
     """The Hub cannot be reached (or HF_HUB_OFFLINE is set) and what is needed is not in the local cache."""
+
+
+class PipelineRepoError(SourceError):
+    """A Hub repo asked for as one model is a diffusers pipeline (its index at the top, no weights there): the
+    command line converts it whole instead."""
 
 
 class OutputError(PreshardError, ValueError):
@@ -187,6 +193,7 @@ __all__ = [
     "OutputExistsError",
     "OutputLockedError",
     "OutputPermissionError",
+    "PipelineRepoError",
     "PlanError",
     "PreshardError",
     "ResourceError",

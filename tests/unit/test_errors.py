@@ -24,6 +24,7 @@ CATEGORIES = {
     "SourceNotFoundError": FileNotFoundError,
     "SourceAccessError": PermissionError,
     "SourceUnreachableError": ConnectionError,
+    "PipelineRepoError": ValueError,
     "OutputError": ValueError,
     "OutputExistsError": FileExistsError,
     "OutputPermissionError": PermissionError,

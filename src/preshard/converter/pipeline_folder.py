@@ -133,6 +133,13 @@ def parse_component_choices(texts: Iterable[str]) -> dict[str, ComponentChoice]:
     return choices
 
 
+def is_hub_pipeline_id(source: str | Path) -> bool:
+    """Whether `source` could name a Hub pipeline repo: a repo id `org/name` that names no local path."""
+    from preshard.sources.hub import is_repo_id
+
+    return isinstance(source, str) and is_repo_id(source)
+
+
 def is_pipeline_folder(path: str | Path) -> bool:
     """Whether `path` is a local diffusers pipeline folder (it holds a pipeline index)."""
     folder = Path(path)
@@ -229,18 +236,18 @@ def plan_pipeline(
             if c.name in choices:
                 raise UsageError(f"--component {c.name}: the pipeline's index names no model for it ([null, null])")
             continue  # the pipeline does without it: the index says so already
+        choice = choices.get(c.name)
+        problem = library_problem(c.name, c.library, c.class_name, choice.treatment if choice else "whole")
+        if problem is not None:  # checked before anything reads the component: no module the index names is imported
+            raise SourceError(f"{index.file_name}: {problem}; fix the pipeline's index")
+        if choice is not None and choice.treatment == "skipped":  # its folder need not be there (nor fetched)
+            planned.append(ComponentPlan(ComponentRecord(c.name, c.library, c.class_name, "skipped"), None))
+            continue
         if not folder.is_dir():
             raise SourceNotFoundError(
                 f"the pipeline's index names {c.name} ({c.library}.{c.class_name}), but {folder} does not exist; "
                 f"complete the pipeline folder, or leave it out with --component {c.name}:skip"
             )
-        choice = choices.get(c.name)
-        problem = library_problem(c.name, c.library, c.class_name, choice.treatment if choice else "whole")
-        if problem is not None:  # checked before anything reads the component: no module the index names is imported
-            raise SourceError(f"{index.file_name}: {problem}; fix the pipeline's index")
-        if choice is not None and choice.treatment == "skipped":
-            planned.append(ComponentPlan(ComponentRecord(c.name, c.library, c.class_name, "skipped"), None))
-            continue
         files = boundary.source_files(folder)  # links out of the folder, FIFOs: refused before anything is written
         if _lacks_weights(c.class_name, files):
             raise UsageError(
@@ -392,6 +399,26 @@ def _finished_pipeline(
     return record
 
 
+def _pipeline_source(source: str | Path, revision: str | None, token: str | bool | None, skip: frozenset[str]) -> Path:
+    """The local pipeline folder `source` names, or a Hub pipeline repo's snapshot folder, fetched."""
+    folder = Path(source)
+    if folder.is_dir():
+        if revision is not None:
+            raise UsageError(f"--revision applies to Hub repos, but {source} is a local folder; drop --revision")
+        return folder
+    from preshard.sources.hub import download_pipeline, is_repo_id  # huggingface_hub: imported when needed
+
+    if isinstance(source, str) and not folder.exists() and is_repo_id(source):
+        snapshot = download_pipeline(source, revision=revision, token=token, skip=skip)
+        if snapshot is None:
+            raise SourceError(
+                f"Hub repo {source} holds no model_index.json or modular_model_index.json, so it is no diffusers "
+                "pipeline; convert one model with --subfolder NAME"
+            )
+        return snapshot.folder
+    raise SourceNotFoundError(f"pipeline folder {source} does not exist; pass a diffusers pipeline folder")
+
+
 USAGE_FAILURES = (UsageError, PlanError)  # the job as asked cannot work: a re-run would fail the same way
 
 
@@ -442,11 +469,17 @@ def convert_pipeline(
     keep_layers: Iterable[str] | dict[str, int | None] | None = None,
     on_tensor: Callable[[str], None] | None = None,
     text_encoder_bytes: int = SHARD_TEXT_ENCODER_BYTES,
+    revision: str | None = None,
+    token: str | bool | None = None,
 ) -> PipelineRecord:
     """Convert a diffusers pipeline folder into OUT: sharded components converted, the rest copied.
 
     Args:
-        source: a local pipeline folder (with `model_index.json` or `modular_model_index.json`).
+        source: a local pipeline folder (with `model_index.json` or `modular_model_index.json`), or a Hub repo id
+            of one: only what the conversion reads is fetched, once, into the HF cache (`download_pipeline`: the
+            index, top-level files, the folders of the components not skipped), the sharded components converted
+            from there and the rest copied from there.
+        revision, token: for a Hub repo (a revision is refused for a local folder).
         output: the folder to create; written atomically (it appears complete or not at all), resumably.
         mesh, tp, cp, ring, ulysses, order: the mesh the sharded components are converted for (as
             `convert_checkpoint`); a component's own `tp=` choice changes only its TP degree.
@@ -473,9 +506,14 @@ def convert_pipeline(
         SourceError: not a pipeline folder. UsageError: a bad choice or mesh. OutputError: an output that cannot be
         written (exists, locked). Whatever `convert_checkpoint` raises for a component.
     """
-    src = Path(source)
-    if not src.is_dir():
-        raise SourceNotFoundError(f"pipeline folder {source} does not exist; pass a diffusers pipeline folder")
+    if components is None:
+        choices: dict[str, ComponentChoice] = {}
+    elif isinstance(components, dict):
+        choices = {check_component_name(name, "components="): choice for name, choice in components.items()}
+    else:
+        choices = parse_component_choices(components)
+    skipped = frozenset(name for name, c in choices.items() if c.treatment == "skipped")
+    src = _pipeline_source(source, revision, token, skipped)
     index = read_pipeline_index(src)
     if index is None:
         raise SourceError(
@@ -483,12 +521,6 @@ def convert_pipeline(
             "pipeline's folder, or convert one model's weights folder on its own"
         )
     job_mesh = resolve_mesh(mesh, tp, cp, ring, ulysses, order)
-    if components is None:
-        choices: dict[str, ComponentChoice] = {}
-    elif isinstance(components, dict):
-        choices = {check_component_name(name, "components="): choice for name, choice in components.items()}
-    else:
-        choices = parse_component_choices(components)
     planned = plan_pipeline(src, index, job_mesh, choices, text_encoder_bytes)
     for p in planned:  # load_pipeline loads every sharded component on the job's mesh: refuse what it would refuse
         if p.record.treatment == "sharded" and p.record.tp != job_mesh.tp:

@@ -50,6 +50,7 @@ from huggingface_hub.errors import (
 from huggingface_hub.utils import validate_repo_id
 
 from preshard.errors import (
+    PipelineRepoError,
     PreshardError,
     SourceAccessError,
     SourceError,
@@ -58,6 +59,8 @@ from preshard.errors import (
 )
 from preshard.format.hub_names import check_hub_arguments, check_subfolder, path_problem
 from preshard.format.jsonio import read_json
+from preshard.format.pipeline_record import INDEX_NAMES as PIPELINE_INDEXES
+from preshard.format.pipeline_record import parse_pipeline_index
 from preshard.sources.hub_integrity import check_downloaded
 from preshard.sources.hub_retry import (
     CUT_SHORT,
@@ -138,6 +141,53 @@ def download_source(
     snapshot = _fetch(res, [join_path(subfolder, name) for name in weights], token)
     files = tuple(_strip(subfolder, p) for p in small) + tuple(weights)
     return HubSnapshot(repo_id, subfolder, revision, res.commit, _within(snapshot, subfolder), files)
+
+
+# A component folder's weights in another format than safetensors: not fetched where the folder has safetensors.
+OTHER_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5", ".onnx", ".pb", ".gguf")
+
+
+def download_pipeline(
+    repo_id: str, *, revision: str | None = None, token: str | bool | None = None, skip: frozenset[str] = frozenset()
+) -> HubSnapshot | None:
+    """Download what converting the diffusers pipeline `repo_id` reads, or return None when it is no pipeline.
+
+    That is the pipeline index, the top-level files (README, LICENSE) and the folder of every component the index
+    names (its files as listed at one commit; where a folder holds safetensors, no weights in other formats and no
+    `*.safetensors` variants beside diffusers' own file), except the components in `skip`. The index's component names
+    are checked before any path is made from them (`format/pipeline_record.parse_pipeline_index`), and every listed
+    path is checked as a plain relative path. Each file is fetched once into the HF cache (the sharded components'
+    weights are then read from there by the converter, the others copied); the snapshot folder it returns links into
+    the cache's blobs.
+
+    Raises:
+        UsageError: a hostile repo id or revision (`format/hub_names.py`). SourceError: as `download_source`.
+    """
+    check_hub_arguments(repo_id, revision=revision)  # before any Hub call
+    res = _resolve(repo_id, revision, token, list(PIPELINE_INDEXES))
+    present = [name for name in reversed(PIPELINE_INDEXES) if name in res.names]
+    if not present:
+        return None
+    index_path = res.snapshot / present[0]
+    index = parse_pipeline_index(index_path.read_bytes(), present[0])
+    wanted = {c.name for c in index.components if c.library and c.class_name and c.name not in skip}
+    paths = [n for n in res.names if "/" not in n and path_problem(n) is None]
+    for name in sorted(wanted):
+        files = [n for n in res.names if n.startswith(name + "/") and path_problem(n) is None]
+        if any(f.endswith(".safetensors") for f in files):
+            files = [f for f in files if not f.endswith(OTHER_WEIGHTS)]
+            own = [f for f in files if f.rsplit("/", 1)[-1] in PREFERRED_FILES or f.endswith(INDEX_SUFFIX)]
+            if own:  # diffusers' own weights (or an index naming shards): no fp16/variant copies beside them
+                index_named = {f for f in own if f.endswith(INDEX_SUFFIX)}
+                shards = set()
+                for idx in index_named:
+                    _fetch(res, [idx], token)
+                    data = _read_json(res.snapshot / idx, f"{idx} of {_where(res)}")
+                    shards |= {f"{name}/{v}" for v in (data.get("weight_map") or {}).values() if isinstance(v, str)}
+                files = [f for f in files if not f.endswith(".safetensors") or f in own or f in shards]
+        paths += files
+    snapshot = _fetch(res, sorted(set(paths)), token)
+    return HubSnapshot(repo_id, None, revision, res.commit, snapshot, tuple(sorted(set(paths))))
 
 
 def source_headers(
@@ -301,6 +351,12 @@ def _single_file(res: _Resolved, subfolder: str | None) -> list[str]:
         )
     if not res.complete:
         raise SourceError(not_cached_message(f"the .safetensors files of {where}", res.offline))
+    pipeline_index = next((name for name in PIPELINE_INDEXES if name in res.names), None)
+    if subfolder is None and pipeline_index is not None:
+        raise PipelineRepoError(
+            f"Hub repo {res.repo_id} is a diffusers pipeline ({pipeline_index}), not one model; convert it whole with "
+            f"convert-checkpoint {res.repo_id} OUT --tp N, or one component with --subfolder NAME"
+        )
     folders = sorted({n.rsplit("/", 1)[0] if "/" in n else "." for n in res.names if n.endswith(".safetensors")})
     hint = f"; folders with weights: {', '.join(folders)} (pass one as --subfolder)" if folders else ""
     raise SourceError(f"{where} holds no .safetensors file{hint}")
