@@ -33,7 +33,7 @@ from typing import Any
 import xxhash
 
 from preshard.errors import CorruptCheckpointError, PreshardError, SourceError
-from preshard.format.component_name import check_component_name
+from preshard.format.component_name import check_component_name, component_name_problem
 from preshard.format.jsonio import canonical_json, dumps_indented, parse_json_text, read_json
 from preshard.format.pipeline_files import FILE_CHECKSUM, PipelineFile, is_relative_name
 
@@ -318,8 +318,9 @@ class _RecordParser:
         )  # fmt: skip
 
     def component(self, name: Any, c: Any) -> ComponentRecord:
-        if not is_relative_name(name) or "/" in name or name.startswith("."):
-            raise self.bad(f"component name {name!r} is not a plain folder name")
+        problem = component_name_problem(name)
+        if problem is not None:  # the same rule as the index's names: one plain path component
+            raise self.bad(f"component name {name!r} {problem}")
         if not isinstance(c, dict) or set(c) != _COMPONENT_KEYS:
             raise self.bad(f"component {name} must have exactly {', '.join(sorted(_COMPONENT_KEYS))}")
         treatment = c["treatment"]
