@@ -110,9 +110,8 @@ def uploaded(s3, tiny_sources, tmp_path_factory):
 def test_s3_to_s3_conversion_is_the_local_one_and_publishes_the_manifest_last(aws, uploaded, converted, tmp_path):
     local = converted("mixed", 2)
     keys = aws.keys(BUCKET, "tp2/")
-    assert sorted(k.removeprefix("tp2/") for k in keys) == sorted(
-        p.name for p in local.iterdir() if p.is_file() and not p.name.startswith(".")
-    )
+    assert sorted(k.removeprefix("tp2/") for k in keys) == sorted(p.name for p in local.iterdir() if p.is_file())
+    assert ".metadata" in {k.removeprefix("tp2/") for k in keys}  # torch DCP's own metadata, beside the data
     for name, data in _data_files(local).items():
         assert aws.get(BUCKET, f"tp2/{name}") == data, name  # byte-identical to the local conversion
     manifest = read_manifest(local)

@@ -57,7 +57,7 @@ def convert_to_url(convert: Callable[[Path], Manifest], url: str, *, overwrite: 
 
 def publish_to_store(folder: Path, store: ObjectStore) -> None:
     """Upload the checkpoint folder `folder` to `store`, the manifest last (module docstring)."""
-    files = sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith(".") and p.is_file())
+    files = sorted(p for p in folder.iterdir() if p.is_file() and not p.is_symlink())  # .metadata included
     names = [p.name for p in files]
     if MANIFEST_NAME not in names:
         raise OutputError(f"{folder} holds no {MANIFEST_NAME}: the conversion did not finish; run it again")
