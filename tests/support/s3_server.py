@@ -63,7 +63,7 @@ class S3Server:
         self.moto.start()
         host, port = self.moto.get_host_and_port()
         self.upstream = (host, port)
-        self.proxy = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+        self.proxy = _QuietServer(("127.0.0.1", 0), _handler(self))
         self.proxy.daemon_threads = True
         self.thread = threading.Thread(target=self.proxy.serve_forever, daemon=True)
         self.thread.start()
@@ -150,6 +150,11 @@ class S3Server:
 
     def bytes_sent(self, client: str | None = None, suffix: str = "") -> int:
         return sum(r.sent for r in self.gets(client, suffix) if r.status in (200, 206))
+
+
+class _QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request: object, client_address: object) -> None:
+        pass  # a client that hung up (a cut answer, a timeout it retries): its own side reports it
 
 
 def _handler(server: S3Server) -> type[BaseHTTPRequestHandler]:
