@@ -6,7 +6,7 @@ CPU seconds measured here are the client's alone. The checkpoint is MiniMax-H3 a
 (`preshard.examples.synthetic`), converted locally into s3:// by `convert_checkpoint` (staged, manifest last).
 Repetitions alternate the two, each fetch into a fresh cache folder.
 
-    PYTHONPATH=src python benchmarks/bench_s3.py --layers 1 --refiner-layers 0 --tp 4 --rank 1 --reps 2
+    PYTHONPATH=src python benchmarks/bench_s3.py --layers 1 --refiner-layers 1 --tp 4 --rank 1 --reps 2
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def _plain(store, manifest, rank: int, workers: int) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--refiner-layers", type=int, default=0)
+    parser.add_argument("--refiner-layers", type=int, default=1)
     parser.add_argument("--tp", type=int, default=4)
     parser.add_argument("--rank", type=int, default=1)
     parser.add_argument("--reps", type=int, default=3)

@@ -81,7 +81,8 @@ def load_sharded(
     Args:
         model: a model class (built from the checkpoint's config.json), a zero-argument factory, or an
             instance (its parameters may be on the meta device).
-        checkpoint: the folder `convert-checkpoint` wrote, or a Hub repo id holding one.
+        checkpoint: the folder `convert-checkpoint` wrote, a Hub repo id holding one, or an object-storage URL of one
+            ("s3://bucket/h3-tp8", any fsspec URL: each rank fetches only its records, docs/object-storage.md).
         mesh, cp, ring, ulysses, order: the CP layout to run (default: the one converted for). The TP degree is
             the checkpoint's; CP does not change the weights, so it can differ from conversion time. Give a
             `MeshSpec` or the keywords, not both.
