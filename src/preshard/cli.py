@@ -289,7 +289,7 @@ def convert_checkpoint_command(
     source, output, tp, cp, ring, ulysses, order, plan, dtype, subfolder, revision, token, component_choices,
     keep_layers, overwrite, wait, dry_run, workers, as_json, quiet, progress, loras, quantize,
 ):  # fmt: skip
-    """Slice SOURCE (.safetensors file, diffusers weights folder or Hub repo id) into per-rank shards in OUTPUT.
+    """Slice SOURCE (.safetensors file, weights folder, Hub repo id or s3:// URL) into per-rank shards in OUTPUT.
 
     Re-running a finished conversion with the same source, plan, mesh and dtype does nothing and exits 0
     ("already converted"); an interrupted one resumes, keeping what it had written.

@@ -171,6 +171,22 @@ class ResourceError(PreshardError, MemoryError):
         return None
 
 
+class ObjectStoreError(PreshardError, ValueError):
+    """An object of a checkpoint or source in object storage (s3://, gs://, any fsspec URL) cannot be used."""
+
+
+class ObjectNotFoundError(ObjectStoreError, FileNotFoundError):
+    """The object (or bucket) a URL names does not exist."""
+
+
+class ObjectAccessError(ObjectStoreError, PermissionError):
+    """The platform's credentials may not read or write the object."""
+
+
+class ObjectUnreachableError(ObjectStoreError, ConnectionError):
+    """The object store did not answer, or kept failing, after every retry."""
+
+
 class CollectiveRuleViolation(RuntimeError):
     """A collective that Neuron/XLA would reject (or hang on), caught before it is issued by the rule checker
     (`runtime.collectives.NeuronRuleChecker`): a bug in preshard, so not a PreshardError."""
@@ -189,6 +205,10 @@ __all__ = [
     "JobTimeoutError",
     "ManifestVersionError",
     "MismatchError",
+    "ObjectAccessError",
+    "ObjectNotFoundError",
+    "ObjectStoreError",
+    "ObjectUnreachableError",
     "OutputError",
     "OutputExistsError",
     "OutputLockedError",

@@ -40,6 +40,10 @@ CATEGORIES = {
     "JobTimeoutError": TimeoutError,
     "WorkerError": RuntimeError,
     "ResourceError": MemoryError,
+    "ObjectStoreError": ValueError,
+    "ObjectNotFoundError": FileNotFoundError,
+    "ObjectAccessError": PermissionError,
+    "ObjectUnreachableError": ConnectionError,
 }
 
 

@@ -31,6 +31,12 @@ RULES: dict[str, set[str]] = {
     # A pre-sharded checkpoint on the Hub is fetched with the Hub helpers sources use (one file, public names);
     # the runtime never opens a source checkpoint.
     "runtime/hub.py": {"format", "runtime", "sources/hub.py", "sources/hub_retry.py"},
+    # Object storage: the client (fsspec) is reached through format/object_store.py alone, the bottom of the stack;
+    # a rank's fetch, a source's fetch and an output's upload each sit in their own layer and import only it below.
+    "format/object_store.py": set(),
+    "runtime/object_rank.py": {"format"},
+    "sources/object_source.py": {"format/object_store.py"},
+    "converter/object_output.py": {"format"},
     "tools/__init__.py": set(),
     # inspect and verify read through format/ (a Hub checkpoint's manifest, verify's --source through sources/);
     # neither imports the converter.

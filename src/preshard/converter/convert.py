@@ -44,6 +44,7 @@ from preshard.format.dcp_metadata import dcp_metadata_bytes, write_dcp_metadata
 from preshard.format.dtypes import DType, dtype_name, parse_cast
 from preshard.format.jsonio import dumps_indented, fsync_file
 from preshard.format.layout import ChunkRecord, FileLayout, TensorLayout, data_file_name, place_records
+from preshard.format.locate import is_url
 from preshard.format.manifest import (
     CONFIG_NAME,
     DCP_METADATA_NAME,
@@ -287,6 +288,24 @@ def convert_checkpoint(
         space). Interrupted: SIGINT/SIGTERM (the finished part is kept for a resume). WorkerError: a worker
         process died.
     """
+    if is_url(output):  # converted into a local staging folder, then uploaded with the manifest last
+        from preshard.converter.object_output import convert_to_url
+
+        if active_coordinator() is not None:
+            raise UsageError(
+                "under torchrun, convert into a local folder on each host (or run convert-checkpoint without torchrun "
+                "to write object storage)"
+            )
+
+        def into(staging: Path) -> Manifest:
+            return convert_checkpoint(
+                source, staging, mesh=mesh, tp=tp, cp=cp, ring=ring, ulysses=ulysses, order=order, plan=plan,
+                dtype=dtype, subfolder=subfolder, revision=revision, token=token, overwrite=overwrite, wait=wait,
+                progress=progress, workers=workers, loras=loras, outcome=outcome, on_tensor=on_tensor,
+                quantize=quantize,
+            )  # fmt: skip
+
+        return convert_to_url(into, str(output), overwrite=overwrite)
     coordinator = active_coordinator()
     try:
         mesh = resolve_mesh(mesh, tp, cp, ring, ulysses, order)

@@ -12,7 +12,7 @@ from torch import nn
 
 from preshard.errors import MismatchError, PlanError, PreshardError, UsageError
 from preshard.format.dtypes import DType, parse_cast
-from preshard.format.locate import local_path
+from preshard.format.locate import is_url, local_path
 from preshard.format.manifest import MANIFEST_NAME, Manifest
 from preshard.format.mesh import MeshSpec, resolve_mesh
 from preshard.format.quant import is_companion
@@ -81,7 +81,8 @@ def load_sharded(
     Args:
         model: a model class (built from the checkpoint's config.json), a zero-argument factory, or an
             instance (its parameters may be on the meta device).
-        checkpoint: the folder `convert-checkpoint` wrote, or a Hub repo id holding one.
+        checkpoint: the folder `convert-checkpoint` wrote, a Hub repo id holding one, or an object-storage URL of one
+            ("s3://bucket/h3-tp8", any fsspec URL: each rank fetches only its records, docs/object-storage.md).
         mesh, cp, ring, ulysses, order: the CP layout to run (default: the one converted for). The TP degree is
             the checkpoint's; CP does not change the weights, so it can differ from conversion time. Give a
             `MeshSpec` or the keywords, not both.
@@ -172,7 +173,9 @@ def _open_checkpoint(
 ) -> tuple[HeldCheckpoint, str | None, MeshSpec]:
     """This rank's checkpoint, opened and held (a Hub repo's files fetched first), its Hub commit, the run mesh."""
     path = local_path(checkpoint, subfolder, revision, option="revision=")
-    if path is not None or not isinstance(checkpoint, str):
+    if is_url(checkpoint):
+        held, commit = _open_object_rank(checkpoint, revision, subfolder, rank_device, mesh, cp, ring, ulysses, order)
+    elif path is not None or not isinstance(checkpoint, str):
         path = path if path is not None else Path(checkpoint)  # a Path that does not exist: named missing below
         if path.is_file():
             hint = f"the folder {path.parent}" if path.name == MANIFEST_NAME else "the folder convert-checkpoint wrote"
@@ -199,6 +202,22 @@ def _open_checkpoint(
         held.close()
         raise
     return held, commit, run_mesh
+
+
+def _open_object_rank(
+    url: str, revision, subfolder, rank_device: RankDevice, mesh, cp, ring, ulysses, order
+) -> tuple[HeldCheckpoint, None]:
+    """An object-storage checkpoint: this rank's records fetched into its local rank folder, then held."""
+    from preshard.runtime.object_rank import fetch_rank_checkpoint as fetch_object_rank
+
+    if revision is not None:
+        raise UsageError(f"revision= applies to Hub repos, but {url} is an object-storage URL; drop revision=")
+
+    def tp_rank_of(manifest: Manifest) -> int:
+        return _run_mesh(manifest, rank_device, mesh, cp, ring, ulysses, order).coords(rank_device.rank)["tp"]
+
+    fetched = fetch_object_rank(url, tp_rank=tp_rank_of, subfolder=subfolder)
+    return HeldCheckpoint.open(fetched.folder, manifest=fetched.manifest), None
 
 
 def _load_held(

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from preshard.errors import SourceError, SourceNotFoundError
-from preshard.format.locate import local_path
+from preshard.errors import SourceError, SourceNotFoundError, UsageError
+from preshard.format.locate import is_url, local_path
 from preshard.sources.local import CheckpointSource, open_local
 
 if TYPE_CHECKING:
@@ -80,6 +80,8 @@ def open_source(
     path = local_path(source, subfolder, revision)
     if path is not None:
         return open_local(path)
+    if is_url(source):
+        return _open_object_source(str(source), subfolder, revision)
     if not _is_hub(source):
         raise _missing(source)
     from preshard.sources import hub
@@ -89,6 +91,19 @@ def open_source(
     weights = [name for name in snapshot.files if name.endswith(".safetensors")]
     opened = open_local(snapshot.folder / (indexes[0] if indexes else weights[0]))
     opened.kind, opened.path, opened.hub, opened.given = "hub", snapshot.folder, snapshot, str(source)
+    return opened
+
+
+def _open_object_source(url: str, subfolder: str | None, revision: str | None) -> CheckpointSource:
+    """A source in object storage: what the conversion reads fetched once (`sources/object_source.py`), then opened
+    as a local source whose recorded path is the URL."""
+    from preshard.format.object_store import shown
+    from preshard.sources.object_source import fetch_source
+
+    if revision is not None:
+        raise UsageError(f"--revision applies to Hub repos, but {shown(url)} is an object-storage URL; drop --revision")
+    opened = open_local(fetch_source(url, subfolder))
+    opened.given = shown(url.rstrip("/") + (f"/{subfolder.strip('/')}" if subfolder else ""))
     return opened
 
 
@@ -158,6 +173,8 @@ def open_source_headers(
     path = local_path(source, subfolder, revision)
     if path is not None:
         return open_local(path)
+    if is_url(source):  # (fetched as for a conversion: headers by ranged reads are not built for object storage)
+        return _open_object_source(str(source), subfolder, revision)
     if not _is_hub(source):
         raise _missing(source)
     from huggingface_hub import try_to_load_from_cache
