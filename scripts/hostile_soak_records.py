@@ -1,6 +1,10 @@
 """Hostile soak, issue 36 items 2 and 3: a converted pipeline and its record are untrusted input.
 
     python scripts/hostile_soak.py --classes records,tampered,piperanks
+    python scripts/hostile_soak.py --classes piperanks --case-timeout 480   # on a heavily loaded host
+
+Each piperanks case starts two ranks (the killed-rank case two fresh interpreters): at a load average of 40 on 2
+cores a case took up to ~200 s, past the default 120 s watchdog.
 
 - records: a pipeline index naming a library other than diffusers or transformers (a module on sys.path whose
   import writes a marker file, `os`, `subprocess`, a path, an empty name) or a class that is no plain identifier,
