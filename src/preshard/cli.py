@@ -411,7 +411,8 @@ main.add_command(convert_checkpoint_command, name="convert")
 def inspect(checkpoint, subfolder, revision, token, as_json, quiet, progress):
     """Print the provenance, mesh, data files and the bytes each rank reads.
 
-    CHECKPOINT is a converted folder or a Hub repo id holding one (only its manifest.json is downloaded).
+    CHECKPOINT is a converted folder or a Hub repo id holding one (only its manifest.json is downloaded), or a
+    converted pipeline folder (each component, its treatment and checks).
     """
     from preshard.tools.inspect import (
         inspect_data,
@@ -438,6 +439,9 @@ def inspect(checkpoint, subfolder, revision, token, as_json, quiet, progress):
 @user_errors
 def verify_command(checkpoint, source, subfolder, revision, token, as_json, quiet, progress):
     """Check a converted checkpoint: manifest, files, checksums, framing, .metadata, config (and the source).
+
+    A converted pipeline folder: its record's seal, every file it lists (size and xxh3_128), and each sharded
+    component as a checkpoint.
 
     Prints one line per problem and exits 1 if anything is wrong; exits 0 with a one-line summary if not
     (with --quiet: the problems only).

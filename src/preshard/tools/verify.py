@@ -198,7 +198,7 @@ def verify_folder(
         UsageError: `source` given for a pipeline folder. As `verify_checkpoint` otherwise.
     """
     path = Path(checkpoint)
-    if is_pipeline_folder(path) and not os.path.lexists(path / MANIFEST_NAME):
+    if is_converted_pipeline(path) and not os.path.lexists(path / MANIFEST_NAME):
         if source is not None:
             raise UsageError(
                 f"--source compares one checkpoint with its source; {path} is a converted pipeline: verify it without "
@@ -487,7 +487,7 @@ class PipelineVerifyResult:
         }  # fmt: skip
 
 
-def is_pipeline_folder(path: str | Path) -> bool:
+def is_converted_pipeline(path: str | Path) -> bool:
     """Whether `path` is a converted pipeline (it holds `preshard_pipeline.json`, readable or not)."""
     from preshard.format.pipeline_record import PIPELINE_RECORD_NAME
 
