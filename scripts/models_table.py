@@ -69,7 +69,7 @@ def at_published(class_name: str) -> tuple[str, str, str]:
                     g = math.gcd(g, getattr(module, attr))
     degrees = [d for d in range(1, g + 1) if g % d == 0]
     inferred = plan.name.startswith("inferred-") and not getattr(cls, "_cp_plan", None)
-    cp = ("inferred" if inferred else "yes") if plan.cp_plan else "no"
+    cp = ("inferred" if inferred else "yes") if plan.cp_plan or getattr(cls, "_cp_plan", None) else "no"
     return f"{params / 1e9:.2f} B", ", ".join(map(str, degrees)), cp
 
 
