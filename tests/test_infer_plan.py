@@ -317,7 +317,7 @@ def test_which_diffusers_classes_get_an_inferred_cp_plan_and_why_the_others_do_n
         assert plan.cp_join_order == ("encoder_hidden_states", "hidden_states"), name
         assert "CP plan inferred from a probe of its forward" in plan.description
     why = {
-        "AllegroTransformer3DModel": "its forward takes no img_ids, txt_ids",  # video latents, no position ids
+        "SanaVideoTransformer3DModel": "its forward takes no img_ids, txt_ids",  # its linear attention sums tokens
         "Flux3Transformer2DModel": "no top-level Linear layers take the image and text tokens",  # per-mode embedders
         "BriaFiboTransformer2DModel": "its forward does not run on the probe's inputs",  # needs text_encoder_layers
     }
