@@ -107,22 +107,30 @@ def test_a_builtin_plan_made_for_another_config_value_falls_through_to_the_infer
     assert {spec.dim for outputs in plan.tp_split_outputs.values() for spec in outputs.values()} == {-1}
 
 
-def test_a_class_cp_plan_naming_blocks_the_config_lacks_is_kept_for_the_config_that_has_them():
+def test_a_class_cp_plan_naming_every_block_of_its_default_applies_to_every_block_at_any_block_count():
     from tiny_zoo import config
 
     from preshard.format.plan import CPEntry, SeqDim
-    from preshard.plans.from_model import check_plan_against_model
+    from preshard.plans.from_model import check_plan_against_model, fold_every_block
 
     helios = config("HeliosTransformer3DModel")  # 2 blocks; the class's _cp_plan names blocks.0 to blocks.39
     plan = choose_plan(None, helios)
-    assert plan.cp_config_requires == {"num_layers": 40}
-    check_plan_against_model(plan, helios, 2)  # TP alone converts
-    with pytest.raises(PlanError, match=r"context parallelism works for config num_layers = 40, not 2 .*\(--cp 1\)"):
-        check_plan_against_model(plan, helios, 2, cp=2)
-    assert choose_plan(None, {**helios, "num_layers": 40}).cp_config_requires == {}
-    typo = replace(plan, cp_config_requires={}, cp_plan={**plan.cp_plan, "blocks.0.atn1": CPEntry({}, {}, SeqDim(1))})
+    assert plan.cp_config_requires == {}
+    assert "names each of blocks.0.attn1 to blocks.39.attn1: applied to every block" in plan.description
+    assert set(plan.cp_plan) == {"blocks.*.attn1", "blocks.*.attn2", "blocks.*.ffn"}
+    attn1 = plan.cp_plan["blocks.*.attn1"]  # its split (every block) and its gather (each of 40) in one entry
+    assert set(attn1.split_inputs) == {"hidden_states", "rotary_emb"} and attn1.gather_output == SeqDim(1, 3)
+    check_plan_against_model(plan, helios, 2, cp=2)  # a CP mesh converts
+    typo = replace(plan, cp_plan={**plan.cp_plan, "blocks.0.atn1": CPEntry({}, {}, SeqDim(1))})
     with pytest.raises(PlanError, match=r"cp plan entry 'blocks\.0\.atn1' matches no module of Helios.*\(--cp 1\)"):
-        check_plan_against_model(typo, {**helios, "num_layers": 40}, 2, cp=2)
+        check_plan_against_model(typo, helios, 2, cp=2)
+    gather = CPEntry({}, {}, SeqDim(1, 3))
+    # not every block from 0 (1 and 2 only), or blocks named unlike: nothing folded, kept as the class says
+    assert fold_every_block({"blocks.1.ff": gather, "blocks.2.ff": gather}, {"blocks"}) is None
+    unlike = {"blocks.0.ff": gather, "blocks.1.ff": CPEntry({}, {}, SeqDim(2, 3))}
+    assert fold_every_block(unlike, {"blocks"}) is None
+    clash = {"blocks.*.ff": gather, "blocks.0.ff": gather, "blocks.1.ff": gather}  # two gathers in one place
+    assert fold_every_block(clash, {"blocks"}) is None
 
 
 def test_show_plan_writes_the_chosen_plan_as_a_plan_file_that_reads_back_the_same(tmp_path):
@@ -309,7 +317,7 @@ def test_which_diffusers_classes_get_an_inferred_cp_plan_and_why_the_others_do_n
         assert plan.cp_join_order == ("encoder_hidden_states", "hidden_states"), name
         assert "CP plan inferred from a probe of its forward" in plan.description
     why = {
-        "AllegroTransformer3DModel": "its forward takes no img_ids, txt_ids",  # video latents, no position ids
+        "SanaVideoTransformer3DModel": "its forward takes no img_ids, txt_ids",  # its linear attention sums tokens
         "Flux3Transformer2DModel": "no top-level Linear layers take the image and text tokens",  # per-mode embedders
         "BriaFiboTransformer2DModel": "its forward does not run on the probe's inputs",  # needs text_encoder_layers
     }
@@ -395,3 +403,36 @@ def test_block_list_classes_split_their_text_where_attention_joins_it_and_keep_i
     assert routed == {"transformer_blocks.*.attn1": True, "transformer_blocks.*.attn2": False}
     sana = choose_plan(None, config("SanaTransformer2DModel"))  # a depthwise convolution over the token grid
     assert sana.cp_plan is None and "its blocks apply a convolution (conv2d)" in sana.description
+
+
+@pytest.mark.quick
+def test_a_video_probe_splits_full_spatio_temporal_attention_and_refuses_attention_within_a_frame_or_across_frames():
+    import assembled_video
+
+    from preshard.format.plan import SeqDim
+    from preshard.plans.from_model import build_on_meta
+    from preshard.plans.infer_cp import infer_cp_plan
+
+    config = {"in_channels": 4, "patch_size": 2, "cross_attention_dim": 16}
+    full = infer_cp_plan(build_on_meta(assembled_video.AssembledVideoTransformer3DModel, config), config)
+    assert full.plan is not None, full.why_not
+    assert full.plan["blocks.0"].split_inputs == {"hidden_states": SeqDim(1, 3)}
+    assert full.plan["pos"].split_outputs == {0: SeqDim(1, 3)}  # the position table, one row per token
+    assert full.plan["proj_out"].gather_output == SeqDim(1, 3)
+    assert full.local_attention == ("blocks.0.attn2", "blocks.1.attn2")  # cross-attention to the whole text
+    for cls in (assembled_video.AssembledFrameTransformer3DModel, assembled_video.AssembledTemporalTransformer3DModel):
+        found = infer_cp_plan(build_on_meta(cls, config), config)
+        assert found.plan is None and "blocks.0.attn1 attends 35 query rows to 35 key rows (over a frame's patches " \
+            "only)" in found.why_not, found.why_not  # fmt: skip
+
+
+def test_video_classes_get_a_cp_plan_where_attention_is_global_and_none_where_a_table_hides_in_a_tuple():
+    from tiny_zoo import config
+
+    for name in ("CogVideoXTransformer3DModel", "AllegroTransformer3DModel", "EasyAnimateTransformer3DModel",
+                 "MotifVideoTransformer3DModel"):  # fmt: skip
+        plan = choose_plan(None, config(name))
+        assert plan.cp_plan and "CP plan inferred from a probe of its forward" in plan.description, name
+    # JoyImage passes its rotary tables ((cos, sin), text tables) to every block, computed by no module
+    joy = choose_plan(None, config("JoyImageEditTransformer3DModel"))
+    assert joy.cp_plan is None and "its blocks take image_rotary_emb per token" in joy.description, joy.description

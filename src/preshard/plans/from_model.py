@@ -142,6 +142,13 @@ def _cp_for_config(plan: Plan, cls: type, model: nn.Module, config: dict[str, An
     if not missing:
         return plan
     lists = {name: len(m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList)}
+    folded = fold_every_block(plan.cp_plan or {}, set(lists))
+    if folded is not None and not unmatched_cp_entries(folded[0], model):
+        return replace(
+            plan,
+            description=f"{plan.description} (its _cp_plan names each of {folded[1]}: applied to every block)",
+            cp_plan=folded[0],
+        )
     needed: dict[str, int] = {}  # ModuleList -> blocks the entries name
     for pattern in missing:
         head, _, rest = pattern.partition(".")
@@ -174,6 +181,42 @@ def _cp_for_config(plan: Plan, cls: type, model: nn.Module, config: dict[str, An
         f"{key} = {count}: context parallel at that config only)",
         cp_config_requires={**plan.cp_config_requires, key: count},
     )
+
+
+def fold_every_block(cp_plan: dict[str, CPEntry], lists: set[str]) -> tuple[dict[str, CPEntry], str] | None:
+    """`cp_plan` with entries that name every block of a list alike, from 0 on (Helios's `blocks.{i}.attn1` for i
+    in range(40), its default `num_layers`), as one entry `blocks.*.attn1`, merged with an entry of that pattern;
+    None where no entry names blocks so, or a merge would put two specs in one place. What the class says of each
+    block then holds for each block of a model with another number of them: every block alike."""
+    named: dict[tuple[str, str], dict[int, CPEntry]] = {}
+    for pattern in cp_plan:
+        for head in lists:
+            index, _, rest = pattern.removeprefix(f"{head}.").partition(".")
+            if pattern.startswith(f"{head}.") and index.isdigit() and rest:
+                named.setdefault((head, rest), {})[int(index)] = cp_plan[pattern]
+    folds = {
+        key: entries[0]
+        for key, entries in named.items()
+        if len(entries) > 1 and set(entries) == set(range(len(entries))) and len(set(map(repr, entries.values()))) == 1
+    }
+    if not folds:
+        return None
+    out = {p: e for p, e in cp_plan.items() if not any(p.startswith(f"{h}.") and p.partition(f"{h}.")[2].partition(
+        ".")[0].isdigit() and p.partition(f"{h}.")[2].partition(".")[2] == r for h, r in folds)}  # fmt: skip
+    for (head, rest), entry in folds.items():
+        pattern = f"{head}.*.{rest}"
+        have = out.get(pattern, CPEntry())
+        if set(have.split_inputs) & set(entry.split_inputs) or set(have.split_outputs) & set(entry.split_outputs):
+            return None
+        if have.gather_output is not None and entry.gather_output is not None:
+            return None
+        out[pattern] = CPEntry(
+            {**have.split_inputs, **entry.split_inputs},
+            {**have.split_outputs, **entry.split_outputs},
+            have.gather_output or entry.gather_output,
+        )
+    (head, rest), count = next(iter(folds.items()))[0], len(named[next(iter(folds))])
+    return out, f"{head}.0.{rest} to {head}.{count - 1}.{rest}"
 
 
 def check_cp_entries(plan: Plan, model: nn.Module) -> None:

@@ -1,29 +1,38 @@
-"""The second shape a CP plan is inferred for (`plans/infer_cp.py`): an image model whose forward patches a latent
-into tokens and runs them through lists of transformer blocks, found by a probe of its forward on the meta device.
+"""The second shape a CP plan is inferred for (`plans/infer_cp.py`): an image or video model whose forward
+patches a latent into tokens and runs them through lists of transformer blocks, found by a probe of its forward on
+the meta device.
 
 Why the blocks: in such a model everything before the first block (patching, embeddings, position tables) runs on
 whole inputs on every rank, so the split can sit at the first block's input, and the gather at the output
 projection after the last block; only what happens in between must be per token or attention over the whole
-sequence. The probe shows that: the latent is shaped `[1, in_channels, p, 41 p]` (41 image tokens, a length no
-width takes), the text `[1, 37, width]`, the other inputs named as diffusers names them, and it records which
-tensors reach the blocks, every SDPA call (by attention module), every `torch.cat` of text and image, and every
-convolution or reduction over a sequence dim between the first block and the gather. CP is inferred only where:
+sequence. The probe shows that. An image latent is shaped `[1, in_channels, p, 41 p]` (41 tokens, a length no
+width takes). A video latent (a 3-D `patch_size`, a `patch_size_t`, or a class named 3D) is probed twice, at 3 x 5
+x 7 and at 5 x 3 x 9 patches (frames x height x width: 105 and 135 tokens, a frame's 35 and 27), laid out `[1, C, F,
+H, W]`, else `[1, F, C, H, W]` where the first does not run, and both probes must give one plan: what a frame count
+or a shape would change is not split. The text is `[1, 37, width]`, the other inputs named as diffusers names
+them. It records which tensors reach the blocks, every SDPA call (by attention module), every `torch.cat` of text
+and latent, and every convolution or reduction over a sequence dim between the first block and the gather. CP is
+inferred only where:
 
-- the first block called takes `hidden_states` of the 41 image tokens `[1, 41, C]` (and, if passed,
+- the first block called takes `hidden_states` of one row per latent token `[1, N, C]` (and, if passed,
   `encoder_hidden_states` of the 37 text tokens);
-- every other tensor a block receives with a dim of 37, 41 or 78 rows is an output of a top-level module (the
-  rotary tables), of the 41 image rows only: that output is split along that dim; nothing else per token (a mask,
-  a per-token timestep) reaches the blocks;
-- every attention call is unmasked over the whole sequence: image with image (41, 41), text and image joined (78,
-  78; the text is then split with the image, in the one order every join uses) or image queries on the whole text
-  (41, 37: cross-attention, run locally on every rank, its module not routed); never one module both ways;
+- every other tensor a block receives (nested in tuples, lists or dicts too) with a dim of a sequence's length
+  (text, latent, both joined, a frame, the frames) is an output of a top-level module (the rotary tables), of the
+  latent rows only: that output is split along that dim; nothing else per token (a mask, a per-token timestep, a
+  table a method computed) reaches the blocks;
+- every attention call is unmasked over the whole sequence: latent with latent (N, N), text and latent joined
+  (N + 37; the text is then split with the latent, in the one order every join uses) or latent queries on the whole
+  text (N, 37: cross-attention, run locally on every rank, its module not routed); never one module both ways. An
+  attention within a frame (35 rows) or across the frames at one place (3 rows), as Latte's alternating blocks
+  have, is refused, naming the module: a split of the flattened sequence would cut it;
 - between the first block and the gather nothing convolves (no token grid rebuilt) and nothing reduces over a
   sequence dim;
 - no top-level module runs between the first and the last block (nothing else feeds the later blocks);
-- a top-level Linear returns `[1, 41, C]` once, after the last attention: its output is gathered.
+- a top-level Linear returns `[1, N, C]` once, after the last attention: its output is gathered.
 
-Not covered: video latents (a probe of one frame cannot tell attention within a frame from attention over all of
-them), inputs the probe does not know how to shape (masks, ids, sizes of other names): those classes stay TP-only.
+Not covered: inputs the probe does not know how to shape (masks, ids, sizes of other names), timesteps per token
+(the probe gives one per sample): those classes stay TP-only, or fail in one line at a shape that does not
+broadcast.
 """
 
 from __future__ import annotations
@@ -42,10 +51,11 @@ from preshard.plans.model_check import is_attention
 
 TEXT, IMAGE = 37, 41  # probe lengths (both shapes): primes no width or head count of a real config takes
 JOINED = TEXT + IMAGE
+VIDEO_PROBES = ((3, 5, 7), (5, 3, 9))  # frames, height, width in patches of the two video probes
 _SDPA = F.scaled_dot_product_attention
 _CONV = {F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d}
 _REDUCE = {"mean", "sum", "cumsum", "amax", "amin", "max", "min", "std", "var", "logsumexp", "softmax", "prod"}
-_TEXT_WIDTH_KEYS = ("joint_attention_dim", "text_embed_dim", "caption_channels", "cross_attention_dim")
+_TEXT_WIDTH_KEYS = ("joint_attention_dim", "text_embed_dim", "caption_channels", "cross_attention_dim", "text_dim")
 _SIZE_INPUTS = ("original_size", "target_size", "crop_coords")
 
 
@@ -59,8 +69,30 @@ class InferredCP:
     local_attention: tuple[str, ...] = ()  # attention modules over the whole text, run locally (not routed)
 
 
+@dataclass(frozen=True)
+class _Lengths:
+    """The sequence lengths one probe runs at: the text's, the latent's tokens (every frame's patches), and the
+    lengths of its parts (a frame's patches, the frames at one position), which an attention over a part shows."""
+
+    text: int = TEXT
+    tokens: int = IMAGE
+    parts: tuple[tuple[int, str], ...] = ()
+
+    @property
+    def joined(self) -> int:
+        return self.text + self.tokens
+
+    @property
+    def sequence(self) -> tuple[int, ...]:
+        return (self.text, self.tokens, self.joined, *(n for n, _ in self.parts))
+
+
+IMAGE_PROBE = _Lengths()
+
+
 @dataclass
 class _Probe:
+    lengths: _Lengths = IMAGE_PROBE
     active: list[str] = field(default_factory=list)  # attention modules running now (innermost last)
     in_blocks: bool = False
     attention: list[tuple[str, int, int, bool, int]] = field(default_factory=list)  # module, q, k, masked, step
@@ -96,7 +128,7 @@ class _Recorder(TorchFunctionMode):
             dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
             if len(tensors) >= 2 and all(isinstance(t, torch.Tensor) for t in tensors):
                 lengths = tuple(t.shape[dim] for t in tensors)
-                if sorted(lengths) == [TEXT, IMAGE]:
+                if sorted(lengths) == sorted([probe.lengths.text, probe.lengths.tokens]):
                     probe.joins.append(lengths)
         elif probe.in_blocks and func in _CONV:
             probe.mixing.append((f"a convolution ({func.__name__})", probe.step))
@@ -104,7 +136,7 @@ class _Recorder(TorchFunctionMode):
             dim = args[1] if len(args) > 1 and isinstance(args[1], int) else kwargs.get("dim")
             x = args[0]
             dims = dim if isinstance(dim, (tuple, list)) else ([dim] if isinstance(dim, int) else list(range(x.dim())))
-            if any(x.shape[d] in (TEXT, IMAGE, JOINED) for d in dims if -x.dim() <= d < x.dim()):
+            if any(x.shape[d] in probe.lengths.sequence for d in dims if -x.dim() <= d < x.dim()):
                 probe.mixing.append((f"a reduction ({func.__name__}) over a sequence dim", probe.step))
         return func(*args, **kwargs)
 
@@ -121,13 +153,37 @@ def _blocks(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
     return lists
 
 
-def _inputs(model: nn.Module, config: dict[str, Any]) -> dict[str, Any] | str:
-    params = inspect.signature(model.forward).parameters
+def _latent_shapes(model: nn.Module, config: dict[str, Any]) -> list[tuple[tuple[int, ...], _Lengths]] | str:
+    """The latent shapes to probe with, and the lengths each gives: one image of 1 x 41 patches, or, for a video
+    model (a 3-D patch size, a `patch_size_t`, or a forward that takes `num_frames`-free 5-D latents: a class
+    whose name says 3D), two videos of frames x height x width patches, 3 x 5 x 7 and 5 x 3 x 9 (105 and 135
+    tokens; a frame's 35 and 27; no part any other length takes), each laid out `[B, C, F, H, W]`."""
     channels, patch = config.get("in_channels"), config.get("patch_size") or 1
-    if "hidden_states" not in params or not isinstance(channels, int) or not isinstance(patch, int):
+    if isinstance(patch, (list, tuple)) and len(patch) == 3 and all(isinstance(p, int) for p in patch):
+        pt, ph, pw = (int(p) for p in patch)
+        video = True
+    elif isinstance(patch, int):
+        pt, ph, pw = config.get("patch_size_t") or 1, patch, patch
+        video = "patch_size_t" in config or "3D" in type(model).__name__
+    else:
+        return "its config gives no patch_size"
+    if not isinstance(channels, int) or not isinstance(pt, int):
+        return "its forward takes no hidden_states latent of in_channels with a patch_size"
+    if not video:
+        return [((1, channels, ph, IMAGE * pw), IMAGE_PROBE)]
+    shapes: list[tuple[tuple[int, ...], _Lengths]] = []
+    for f, h, w in VIDEO_PROBES:
+        lengths = _Lengths(tokens=f * h * w, parts=((h * w, "a frame's patches"), (f, "the frames at one place")))
+        shapes.append(((1, channels, f * pt, h * ph, w * pw), lengths))
+    return shapes
+
+
+def _inputs(model: nn.Module, config: dict[str, Any], latent: tuple[int, ...]) -> dict[str, Any] | str:
+    params = inspect.signature(model.forward).parameters
+    if "hidden_states" not in params:
         return "its forward takes no hidden_states latent of in_channels with a patch_size"
     with torch.device("meta"):
-        inputs: dict[str, Any] = {"hidden_states": torch.empty(1, channels, patch, IMAGE * patch)}
+        inputs: dict[str, Any] = {"hidden_states": torch.empty(latent)}
         for name, param in params.items():
             if name == "hidden_states" or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
                 continue
@@ -136,7 +192,7 @@ def _inputs(model: nn.Module, config: dict[str, Any]) -> dict[str, Any] | str:
                 if width is None:
                     return "its config gives no text width for encoder_hidden_states"
                 inputs[name] = torch.empty(1, TEXT, width)
-            elif name in ("timestep", "timesteps"):
+            elif name in ("timestep", "timesteps", "r_timestep"):
                 inputs[name] = torch.empty(1)
             elif name == "class_labels":
                 inputs[name] = torch.empty(1, dtype=torch.long)
@@ -149,19 +205,54 @@ def _inputs(model: nn.Module, config: dict[str, Any]) -> dict[str, Any] | str:
     return inputs
 
 
-def _seq_dims(x: Any) -> list[int]:
-    return [d for d, n in enumerate(x.shape) if n in (TEXT, IMAGE, JOINED)] if isinstance(x, torch.Tensor) else []
+def _leaves(value: Any) -> list[Any]:
+    """Every tensor in a value as a block takes it (tuples, lists and dicts, at any depth)."""
+    if isinstance(value, (tuple, list)):
+        return [leaf for item in value for leaf in _leaves(item)]
+    if isinstance(value, dict):
+        return [leaf for item in value.values() for leaf in _leaves(item)]
+    return [value]
+
+
+def _seq_dims(x: Any, lengths: _Lengths) -> list[int]:
+    return [d for d, n in enumerate(x.shape) if n in lengths.sequence] if isinstance(x, torch.Tensor) else []
 
 
 def block_list_plan(model: nn.Module, config: dict[str, Any]) -> InferredCP:
-    """The CP plan the block-list probe proves right (see the module docstring), or why none."""
+    """The CP plan the block-list probe proves right (see the module docstring), or why none: for a video model,
+    the plan both video probes prove, the same from each."""
     lists = _blocks(model)
     if not lists:
         return InferredCP(None, why_not="it has no top-level list of blocks with attention")
-    inputs = _inputs(model, config)
-    if isinstance(inputs, str):
-        return InferredCP(None, why_not=inputs)
-    probe = _Probe()
+    config = {**dict(getattr(model, "config", None) or {}), **config}  # the class's defaults where config.json omits
+    shapes = _latent_shapes(model, config)
+    if isinstance(shapes, str):
+        return InferredCP(None, why_not=shapes)
+    found: InferredCP | None = None
+    for latent, lengths in shapes:
+        layouts = [latent] if len(latent) == 4 else [latent, (latent[0], latent[2], latent[1], *latent[3:])]
+        for layout in layouts:  # [B, C, F, H, W], else [B, F, C, H, W] (CogVideoX's)
+            inputs = _inputs(model, config, layout)
+            if isinstance(inputs, str):
+                return InferredCP(None, why_not=inputs)
+            result = _probe_once(model, lists, inputs, lengths)
+            if not result.why_not.startswith("its forward does not run"):
+                break
+        if result.plan is None:
+            return result
+        if found is not None and (found.plan, found.join_order, found.local_attention) != (
+            result.plan, result.join_order, result.local_attention,
+        ):  # fmt: skip
+            return InferredCP(None, why_not="its two video probes (frames and sizes differ) give different plans")
+        found = result
+    assert found is not None
+    return found
+
+
+def _probe_once(
+    model: nn.Module, lists: list[tuple[str, nn.ModuleList]], inputs: dict[str, Any], lengths: _Lengths
+) -> InferredCP:
+    probe = _Probe(lengths)
     handles = []
     first: list[str] = []
 
@@ -215,33 +306,36 @@ def block_list_plan(model: nn.Module, config: dict[str, Any]) -> InferredCP:
 
 
 def _decide(probe: _Probe, first: list[str], model: nn.Module) -> InferredCP:
+    n = probe.lengths
+    tokens, text, joined = n.tokens, n.text, n.joined
     if not probe.block_inputs:
         return InferredCP(None, why_not="its forward calls no block")
     start = probe.block_inputs[0]
-    hidden, text = start.get("hidden_states"), start.get("encoder_hidden_states")
-    if not (isinstance(hidden, torch.Tensor) and hidden.dim() == 3 and hidden.shape[1] == IMAGE):
-        return InferredCP(None, why_not="its first block does not take hidden_states of one row per image token")
-    if text is not None and not (isinstance(text, torch.Tensor) and text.dim() == 3 and text.shape[1] == TEXT):
+    hidden, text_in = start.get("hidden_states"), start.get("encoder_hidden_states")
+    if not (isinstance(hidden, torch.Tensor) and hidden.dim() == 3 and hidden.shape[1] == tokens):
+        return InferredCP(None, why_not="its first block does not take hidden_states of one row per latent token")
+    if text_in is not None and not (
+        isinstance(text_in, torch.Tensor) and text_in.dim() == 3 and text_in.shape[1] == text
+    ):
         return InferredCP(None, why_not="its first block does not take encoder_hidden_states of one row per text token")
     outputs: dict[int, tuple[str, int, int, int]] = {}  # id(tensor) -> top-level module, output index, dim, dims
     for name, output, _ in probe.top:
         items = list(output) if isinstance(output, (tuple, list)) else [output]
         for i, item in enumerate(items):
-            dims = _seq_dims(item)
-            if len(dims) == 1 and item.shape[dims[0]] == IMAGE:
+            dims = _seq_dims(item, n)
+            if len(dims) == 1 and item.shape[dims[0]] == tokens:
                 outputs[id(item)] = (name, i, dims[0], item.dim())
     split_outputs: dict[str, dict[int, SeqDim]] = {}
     for call in probe.block_inputs:
         for arg, value in call.items():
             if arg in ("block", "step", "hidden_states", "encoder_hidden_states"):
                 continue
-            items = list(value) if isinstance(value, (tuple, list)) else [value]
-            for item in items:
-                if not _seq_dims(item):
+            for item in _leaves(value):  # nested too: JoyImage passes ((cos, sin), text tables) per token
+                if not _seq_dims(item, n):
                     continue
                 found = outputs.get(id(item))
                 if found is None:
-                    return InferredCP(None, why_not=f"its blocks take {arg} per token, which is no image-only output "
+                    return InferredCP(None, why_not=f"its blocks take {arg} per token, which is no latent-only output "
                                       "of a top-level module (a mask or a per-token input)")  # fmt: skip
                 module, index, dim, ndim = found
                 split_outputs.setdefault(module, {})[index] = SeqDim(dim, ndim)
@@ -256,16 +350,18 @@ def _decide(probe: _Probe, first: list[str], model: nn.Module) -> InferredCP:
         if masked or not module:
             return InferredCP(None, why_not="an attention call is masked or outside an attention module")
         kinds.setdefault(module, set()).add((q, k))
-    allowed = {(IMAGE, IMAGE), (JOINED, JOINED), (IMAGE, TEXT)}
+    allowed = {(tokens, tokens), (joined, joined), (tokens, text)}
+    parts = dict(n.parts)
     for module, seen in kinds.items():
         if not seen <= allowed or len(seen) > 1:
             q, k = sorted(seen - allowed or seen)[0]
-            return InferredCP(None, why_not=f"{module} attends {q} query rows to {k} key rows, not over the whole "
-                              f"sequence (image {IMAGE}, text {TEXT})")  # fmt: skip
-    joined = any((JOINED, JOINED) in s for s in kinds.values())
-    cross = any((IMAGE, TEXT) in s for s in kinds.values())
-    if joined and cross:
-        return InferredCP(None, why_not="its attention both joins the text to the image and attends to it whole")
+            what = f" (over {parts[q]} only)" if q in parts else ""
+            return InferredCP(None, why_not=f"{module} attends {q} query rows to {k} key rows{what}, not over the "
+                              f"whole sequence (latent {tokens}, text {text})")  # fmt: skip
+    joins = any((joined, joined) in s for s in kinds.values())
+    cross = any((tokens, text) in s for s in kinds.values())
+    if joins and cross:
+        return InferredCP(None, why_not="its attention both joins the text to the latent and attends to it whole")
     last_attention = probe.attention[-1][4]
     gathers = [
         (name, step)
@@ -274,10 +370,10 @@ def _decide(probe: _Probe, first: list[str], model: nn.Module) -> InferredCP:
         and isinstance(getattr(model, name), nn.Linear)
         and isinstance(output, torch.Tensor)
         and output.dim() == 3
-        and output.shape[1] == IMAGE
+        and output.shape[1] == tokens
     ]
     if len(gathers) != 1:
-        return InferredCP(None, why_not="no single top-level Linear returns the image tokens after the last attention")
+        return InferredCP(None, why_not="no single top-level Linear returns the latent tokens after the last attention")
     gather = gathers[0][0]
     if any(step > gathers[0][1] for _, _, _, _, step in probe.attention):
         return InferredCP(None, why_not=f"attention runs after {gather}")
@@ -286,16 +382,16 @@ def _decide(probe: _Probe, first: list[str], model: nn.Module) -> InferredCP:
         return InferredCP(None, why_not=f"its blocks apply {mixing[0]}, which a split sequence cannot")
     split_inputs = {"hidden_states": SeqDim(1, 3)}
     join = None
-    if joined:
+    if joins:
         orders = set(probe.joins)
-        if len(orders) != 1 or text is None:
-            return InferredCP(None, why_not="its forward joins the text and image sequences in no single order")
+        if len(orders) != 1 or text_in is None:
+            return InferredCP(None, why_not="its forward joins the text and latent sequences in no single order")
         split_inputs["encoder_hidden_states"] = SeqDim(1, 3)
-        text_first = next(iter(orders))[0] == TEXT
+        text_first = next(iter(orders))[0] == text
         join = ("encoder_hidden_states", "hidden_states") if text_first else ("hidden_states", "encoder_hidden_states")
     plan: dict[str, CPEntry] = {first[0]: CPEntry(split_inputs=split_inputs)}
     for module, specs in split_outputs.items():
         plan[module] = CPEntry(split_outputs=specs)
     plan[gather] = CPEntry(gather_output=SeqDim(1, 3))
-    local = tuple(sorted(m for m, s in kinds.items() if (IMAGE, TEXT) in s))
+    local = tuple(sorted(m for m, s in kinds.items() if (tokens, text) in s))
     return InferredCP(plan, join, local_attention=local)
