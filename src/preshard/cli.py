@@ -250,6 +250,14 @@ class _ConvertCommand(Command):
     help="Store the plan's sharded Linear weights quantized: fp8 (float8_e4m3fn) or int8, each with a float32 "
     "per-output-channel weight_scale (see docs/quantized.md).",
 )
+@click.option(
+    "--model-class",
+    "model_class",
+    default=None,
+    metavar="MODULE:CLASS",
+    help="The model's class where it is not in diffusers or transformers, e.g. my_models.dit:MyDiT: your code, "
+    "imported from the Python path (config.json never names code to import). Recorded in the manifest.",
+)
 @_hub_options()
 @click.option(
     "--component",
@@ -287,7 +295,7 @@ class _ConvertCommand(Command):
 @user_errors
 def convert_checkpoint_command(
     source, output, tp, cp, ring, ulysses, order, plan, dtype, subfolder, revision, token, component_choices,
-    keep_layers, overwrite, wait, dry_run, workers, as_json, quiet, progress, loras, quantize,
+    keep_layers, overwrite, wait, dry_run, workers, as_json, quiet, progress, loras, quantize, model_class,
 ):  # fmt: skip
     """Slice SOURCE (.safetensors file, diffusers weights folder or Hub repo id) into per-rank shards in OUTPUT.
 
@@ -300,6 +308,8 @@ def convert_checkpoint_command(
     from preshard.converter.pipeline_folder import is_pipeline_folder
 
     if subfolder is None and is_pipeline_folder(source):
+        if model_class:
+            raise UsageError("--model-class is not supported on a pipeline folder; use it with --subfolder NAME")
         _convert_pipeline_folder(
             source, output, tp, cp, ring, ulysses, order, plan, dtype, revision, component_choices, keep_layers,
             overwrite, wait, dry_run, workers, as_json, quiet, progress, loras, quantize,
@@ -316,6 +326,7 @@ def convert_checkpoint_command(
             report = plan_dry_run(
                 source, output, mesh=mesh, plan=plan, dtype=dtype, subfolder=subfolder, revision=revision,
                 token=token, overwrite=overwrite, loras=loras, start_seconds=_start_seconds(), quantize=quantize,
+                model_class=model_class,
             )  # fmt: skip
         _emit(dry_run_json(report), dry_run_text(report), as_json, quiet)
         if report.space_error:
@@ -329,7 +340,7 @@ def convert_checkpoint_command(
         manifest = convert_checkpoint(
             source, output, tp=tp, cp=cp, ring=ring, ulysses=ulysses, order=order, plan=plan, dtype=dtype,
             subfolder=subfolder, revision=revision, token=token, overwrite=overwrite, wait=wait, progress=progress,
-            workers=workers, loras=loras, outcome=outcome, quantize=quantize,
+            workers=workers, loras=loras, outcome=outcome, quantize=quantize, model_class=model_class,
         )  # fmt: skip
     seconds = time.perf_counter() - started
     data = {"command": "convert", "status": outcome.status, **_manifest_summary(manifest, output)}

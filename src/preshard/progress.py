@@ -43,3 +43,15 @@ class Progress:
             self._bar.close()
         elif self.enabled:
             self._line()
+
+
+def shown(enabled: bool | None) -> bool:
+    """Whether progress is shown: `enabled`, or where it is None, whether stderr is a terminal."""
+    return sys.stderr.isatty() if enabled is None else bool(enabled)
+
+
+def note(text: str, enabled: bool | None = None) -> None:
+    """One line on stderr where progress is shown (`shown(enabled)`): for a phase that would otherwise be silent
+    for seconds (a resume's re-check, a model check, an import, planning)."""
+    if shown(enabled):
+        print(text, file=sys.stderr, flush=True)
