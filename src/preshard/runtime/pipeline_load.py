@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from preshard.errors import CheckpointNotFoundError, MismatchError, PreshardError, UsageError
-from preshard.format.dtypes import parse_cast
+from preshard.format.dtypes import parse_load_dtype
 from preshard.format.locate import local_path
 from preshard.format.mesh import MeshSpec
 from preshard.format.pipeline_record import PIPELINE_RECORD_NAME, PipelineRecord, read_pipeline_record
@@ -88,6 +88,7 @@ def load_pipeline(
     ulysses: int | None = None,
     order: str | tuple[str, ...] | None = None,
     device: str | torch.device | None = None,
+    torch_dtype: str | torch.dtype | None = None,
     dtype: str | torch.dtype | None = None,
     verify: bool = True,
     check_inputs: bool | str = True,
@@ -110,7 +111,10 @@ def load_pipeline(
         mesh, cp, ring, ulysses, order: the CP layout the sharded components run (default: the one converted for).
         device, verify, check_inputs: as `load_sharded`, for each sharded component; `device` also places the
             whole ones.
-        dtype: cast the sharded components (as `load_sharded`) and load the whole ones in it (`torch_dtype`).
+        torch_dtype: as diffusers' `from_pretrained`: the sharded components cast as `load_sharded(torch_dtype=)`
+            casts, the whole ones loaded in it. Default (or "auto"): the sharded components as stored, the whole
+            ones as diffusers' `from_pretrained` loads them without torch_dtype (float32).
+        dtype: an alias of `torch_dtype` (both given and different: a `UsageError`).
         components: components given in memory instead of read from the folder (as diffusers' `from_pretrained`
             takes them), e.g. a processor the folder does not hold.
         timeout: seconds a rank waits for the others to join the job (as `load_sharded`); the ranks also agree on
@@ -130,14 +134,15 @@ def load_pipeline(
         `load_sharded` raises for a component.
     """
     error: PreshardError | None = None
+    cast = None
     try:
         folder, record, commit = _open_record(checkpoint, revision, token)
-        cast = parse_cast(dtype, "dtype=")
+        cast = parse_load_dtype(torch_dtype, dtype)
     except PreshardError as exc:  # told to the other ranks as they join, so that none waits for this one
         error = exc
     # The bounded join load_sharded makes, here first: the process group is made once, by the pipeline's ranks.
     requests: dict[str, object] = {
-        "pipeline": [str(checkpoint), revision], "dtype": None if dtype is None else str(dtype),
+        "pipeline": [str(checkpoint), revision], "dtype": [str(torch_dtype), str(dtype)],
         "mesh": mesh.to_dict() if mesh else [cp, ring, ulysses, order],
     }  # fmt: skip
     rank_device = join_job(device, requests, timeout=timeout, error=error)
@@ -160,7 +165,7 @@ def load_pipeline(
         where = (checkpoint, component.name) if commit is not None else (folder / component.name, None)
         sharded[component.name] = load_sharded(
             cls, where[0], subfolder=where[1], revision=commit, token=token if commit else None, mesh=job_mesh,
-            device=device, dtype=dtype, verify=verify, check_inputs=check_inputs,
+            device=device, torch_dtype=None if cast is None else cast.torch, verify=verify, check_inputs=check_inputs,
             replicate_over_cp=component.library == "transformers",
         )  # fmt: skip
     given = dict(components or {})
