@@ -446,6 +446,57 @@ def verify_command(checkpoint, source, subfolder, revision, token, as_json, quie
         sys.exit(EXIT_PROBLEMS)
 
 
+@main.command(name="check", epilog=EXIT_CODES_HELP)
+@click.argument("checkpoint", type=click.Path(path_type=str))
+@click.option("--source", required=True, help="The unsharded checkpoint CHECKPOINT was converted from.")
+@click.option(
+    "--inputs", default=None, metavar="FILE",
+    help="The forward's inputs: a .safetensors or torch file of named tensors (default: seeded, from the forward).",
+)  # fmt: skip
+@click.option(
+    "--model-class", "model_class", default=None, metavar="MODULE:CLASS",
+    help="The model's class where it is not in diffusers or transformers (as at conversion).",
+)  # fmt: skip
+@click.option("--tolerance", type=click.FloatRange(min=0), default=None, help="Share of each output's largest |value|.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the inputs built from the forward.")
+@click.option("--device", default=None, help="Where the sharded model runs (default as load_sharded; reference: CPU).")
+@click.option("--result-file", "result_file", default=None, hidden=True)
+@_output_options
+@user_errors
+def check_command(
+    checkpoint, source, inputs, model_class, tolerance, seed, device, result_file, as_json, quiet, progress
+):  # fmt: skip
+    """Compare the sharded CHECKPOINT with the unsharded --source on the same inputs, output by output.
+
+    Runs a torchrun job of the checkpoint's world size (or runs as one rank of yours: torchrun ... -m preshard
+    check ...). Prints the max difference per output; exits 0 within tolerance, 1 beyond.
+    """
+    from preshard.process import under_torchrun
+    from preshard.tools.check import TOLERANCE, check_conversion, launch_check, world_size_of, write_result
+
+    progress = _progress(progress, quiet)
+    tolerance = TOLERANCE if tolerance is None else tolerance
+    if under_torchrun() or world_size_of(checkpoint) == 1:
+        result = check_conversion(
+            checkpoint, source, inputs=inputs, model_class=model_class, tolerance=tolerance, seed=seed, device=device,
+            progress=progress,
+        )  # fmt: skip
+        if not result.reported_here:
+            return
+        if result_file is not None:  # launched by the command below: it reports
+            write_result(result, result_file)
+            return
+    else:
+        args = ["--source", source, "--tolerance", repr(tolerance), "--seed", str(seed)]
+        for option, value in (("--inputs", inputs), ("--model-class", model_class), ("--device", device)):
+            args += [option, value] if value is not None else []
+        args += [] if progress is None else ["--progress" if progress else "--no-progress"]
+        result = launch_check(checkpoint, args, progress=progress)
+    _emit({"command": "check", **result.to_dict()}, "\n".join(result.lines()), as_json, quiet and result.ok)
+    if not result.ok:
+        sys.exit(EXIT_PROBLEMS)
+
+
 @main.command(name="reshard", epilog=EXIT_CODES_HELP)
 @click.argument("checkpoint")
 @click.argument("output", type=click.Path(path_type=str))
