@@ -28,6 +28,7 @@ from preshard.converter.parallel import Coordinator, active_coordinator, owned_f
 from preshard.converter.pipeline import TensorWork, WritePipeline
 from preshard.converter.signals import StopFlag, deferred_signals
 from preshard.converter.workdir import (
+    JOURNAL_NAME,
     Journal,
     OutputLock,
     check_output,
@@ -68,7 +69,7 @@ from preshard.plans.model_class import (
     user_model_class,
 )
 from preshard.plans.registry import choose_plan, vouched_for
-from preshard.progress import Progress
+from preshard.progress import Progress, note, showing
 from preshard.sources import ConversionSource, SourceRows, open_source
 
 # Journal (so fsync) about 64 times per conversion, but no more often than every 512 MiB: each fsync also flushes the
@@ -257,6 +258,7 @@ def _plan(
     if check_model and not vouched_for(chosen, src.config, layouts, mesh.cp):
         from preshard.plans.from_model import check_plan_against_model  # torch and diffusers: plan files only
 
+        note(f"checking the plan {chosen.name} against the model class (built on the meta device)")
         check_plan_against_model(chosen, src.config, mesh.tp, mesh.cp)
     order = src.read_order()
     files = place_records([layouts[name] for name in order], mesh.tp)
@@ -342,7 +344,7 @@ def convert_checkpoint(
         if coordinator is not None:
             coordinator.fail(exc)
         raise
-    with user_model_class(user_class):
+    with user_model_class(user_class), showing(progress):
         return _convert(
             source, output, mesh=mesh, tp=tp, cp=cp, ring=ring, ulysses=ulysses, order=order, plan=plan, dtype=dtype,
             subfolder=subfolder, revision=revision, token=token, overwrite=overwrite, wait=wait, progress=progress,
@@ -608,6 +610,8 @@ class _Conversion:
                 check_space(self.output, self.work, space_needed(job))
                 self.identity = src.identity()
                 open_workdir(self.work, _job_key(job))  # another job's partial is cleared: nothing to resume
+                if (self.work / JOURNAL_NAME).is_file():  # seconds to minutes: every kept record re-read
+                    self._note("resuming: re-checking what the interrupted run wrote (every kept record re-read)")
                 self.reader = src.open_reader()  # first: it proves (re-reading) what the journal may keep
                 done, opened = resume(
                     self.work, job.write_order, job.files, tp, self.check_stop, prove=self.reader.prove

@@ -15,6 +15,7 @@ import contextlib
 import importlib
 import inspect
 import keyword
+import sys
 from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
@@ -159,6 +160,8 @@ def import_model_class(class_name: str) -> type:
     user = _USER_CLASS.get()
     if user is not None and user.__name__ == class_name:
         return user
+    if "diffusers" not in sys.modules:
+        note(f"importing diffusers for the model class {class_name}")  # seconds of CPU, silent otherwise
     from torch import nn
 
     try:

@@ -25,6 +25,7 @@ from preshard.format.pipeline_record import PIPELINE_RECORD_NAME, PipelineRecord
 from preshard.runtime.hub import names_repo
 from preshard.runtime.left_out import guard_left_out
 from preshard.runtime.load import load_sharded
+from preshard.runtime.rank_bars import rank0_bars
 from preshard.runtime.rendezvous import DEFAULT_TIMEOUT_S, join_job
 
 SHARDED_ATTRIBUTE = "preshard_sharded_components"
@@ -79,6 +80,7 @@ def _open_record(
     return path, record, commit
 
 
+@rank0_bars  # under torchrun, diffusers' and transformers' bars on rank 0 only (runtime/rank_bars.py)
 def load_pipeline(
     checkpoint: str | Path,
     *,
