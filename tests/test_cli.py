@@ -65,7 +65,7 @@ def test_exit_codes_are_in_every_help_and_in_the_cli_manual():
         assert re.search(rf"\|\s*`?{code}`?\s*\|", section), code
 
 
-COMMANDS = ["convert", "inspect", "verify", "reshard", "unshard", "plan", "demo"]
+COMMANDS = ["convert", "inspect", "verify", "reshard", "unshard", "plan", "demo", "check"]
 HUB_ID_COMMANDS = ["convert", "inspect", "verify", "reshard", "unshard", "plan"]
 
 

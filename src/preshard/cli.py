@@ -250,6 +250,14 @@ class _ConvertCommand(Command):
     help="Store the plan's sharded Linear weights quantized: fp8 (float8_e4m3fn) or int8, each with a float32 "
     "per-output-channel weight_scale (see docs/quantized.md).",
 )
+@click.option(
+    "--model-class",
+    "model_class",
+    default=None,
+    metavar="MODULE:CLASS",
+    help="The model's class where it is not in diffusers or transformers, e.g. my_models.dit:MyDiT: your code, "
+    "imported from the Python path (config.json never names code to import). Recorded in the manifest.",
+)
 @_hub_options()
 @click.option(
     "--component",
@@ -287,7 +295,7 @@ class _ConvertCommand(Command):
 @user_errors
 def convert_checkpoint_command(
     source, output, tp, cp, ring, ulysses, order, plan, dtype, subfolder, revision, token, component_choices,
-    keep_layers, overwrite, wait, dry_run, workers, as_json, quiet, progress, loras, quantize,
+    keep_layers, overwrite, wait, dry_run, workers, as_json, quiet, progress, loras, quantize, model_class,
 ):  # fmt: skip
     """Slice SOURCE (.safetensors file, weights folder, Hub repo id or s3:// URL) into per-rank shards in OUTPUT.
 
@@ -300,6 +308,8 @@ def convert_checkpoint_command(
     from preshard.converter.pipeline_folder import is_hub_pipeline_id, is_pipeline_folder
 
     if subfolder is None and is_pipeline_folder(source):
+        if model_class:
+            raise UsageError("--model-class is not supported on a pipeline folder; use it with --subfolder NAME")
         _convert_pipeline_folder(
             source, output, tp, cp, ring, ulysses, order, plan, dtype, revision, component_choices, keep_layers,
             overwrite, wait, dry_run, workers, as_json, quiet, progress, loras, quantize,
@@ -323,6 +333,7 @@ def convert_checkpoint_command(
             report = plan_dry_run(
                 source, output, mesh=mesh, plan=plan, dtype=dtype, subfolder=subfolder, revision=revision,
                 token=token, overwrite=overwrite, loras=loras, start_seconds=_start_seconds(), quantize=quantize,
+                model_class=model_class,
             )  # fmt: skip
         _emit(dry_run_json(report), dry_run_text(report), as_json, quiet)
         if report.space_error:
@@ -338,8 +349,13 @@ def convert_checkpoint_command(
                 source, output, tp=tp, cp=cp, ring=ring, ulysses=ulysses, order=order, plan=plan, dtype=dtype,
                 subfolder=subfolder, revision=revision, token=token, overwrite=overwrite, wait=wait,
                 progress=progress, workers=workers, loras=loras, outcome=outcome, quantize=quantize,
+                model_class=model_class,
             )  # fmt: skip
         except PipelineRepoError:  # raised before anything is written: the repo is a whole pipeline
+            if model_class:
+                raise UsageError(
+                    "--model-class is not supported on a pipeline folder; use it with --subfolder NAME"
+                ) from None
             _convert_pipeline_folder(
                 source, output, tp, cp, ring, ulysses, order, plan, dtype, None, component_choices, keep_layers,
                 overwrite, wait, dry_run, workers, as_json, quiet, progress, loras, quantize, hub=hub_pipeline,
@@ -460,6 +476,57 @@ def verify_command(checkpoint, source, subfolder, revision, token, as_json, quie
             click.echo(line)
         if not quiet:
             click.echo(result.summary())
+    if not result.ok:
+        sys.exit(EXIT_PROBLEMS)
+
+
+@main.command(name="check", epilog=EXIT_CODES_HELP)
+@click.argument("checkpoint", type=click.Path(path_type=str))
+@click.option("--source", required=True, help="The unsharded checkpoint CHECKPOINT was converted from.")
+@click.option(
+    "--inputs", default=None, metavar="FILE",
+    help="The forward's inputs: a .safetensors or torch file of named tensors (default: seeded, from the forward).",
+)  # fmt: skip
+@click.option(
+    "--model-class", "model_class", default=None, metavar="MODULE:CLASS",
+    help="The model's class where it is not in diffusers or transformers (as at conversion).",
+)  # fmt: skip
+@click.option("--tolerance", type=click.FloatRange(min=0), default=None, help="Share of each output's largest |value|.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the inputs built from the forward.")
+@click.option("--device", default=None, help="Where the sharded model runs (default as load_sharded; reference: CPU).")
+@click.option("--result-file", "result_file", default=None, hidden=True)
+@_output_options
+@user_errors
+def check_command(
+    checkpoint, source, inputs, model_class, tolerance, seed, device, result_file, as_json, quiet, progress
+):  # fmt: skip
+    """Compare the sharded CHECKPOINT with the unsharded --source on the same inputs, output by output.
+
+    Runs a torchrun job of the checkpoint's world size (or runs as one rank of yours: torchrun ... -m preshard
+    check ...). Prints the max difference per output; exits 0 within tolerance, 1 beyond.
+    """
+    from preshard.process import under_torchrun
+    from preshard.tools.check import TOLERANCE, check_conversion, launch_check, world_size_of, write_result
+
+    progress = _progress(progress, quiet)
+    tolerance = TOLERANCE if tolerance is None else tolerance
+    if under_torchrun() or world_size_of(checkpoint) == 1:
+        result = check_conversion(
+            checkpoint, source, inputs=inputs, model_class=model_class, tolerance=tolerance, seed=seed, device=device,
+            progress=progress,
+        )  # fmt: skip
+        if not result.reported_here:
+            return
+        if result_file is not None:  # launched by the command below: it reports
+            write_result(result, result_file)
+            return
+    else:
+        args = ["--source", source, "--tolerance", repr(tolerance), "--seed", str(seed)]
+        for option, value in (("--inputs", inputs), ("--model-class", model_class), ("--device", device)):
+            args += [option, value] if value is not None else []
+        args += [] if progress is None else ["--progress" if progress else "--no-progress"]
+        result = launch_check(checkpoint, args, progress=progress)
+    _emit({"command": "check", **result.to_dict()}, "\n".join(result.lines()), as_json, quiet and result.ok)
     if not result.ok:
         sys.exit(EXIT_PROBLEMS)
 

@@ -6,8 +6,11 @@ seconds instead of a redrawn bar.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
+from collections.abc import Iterator
+from contextvars import ContextVar
 
 from preshard.units import human_bytes
 
@@ -43,3 +46,37 @@ class Progress:
             self._bar.close()
         elif self.enabled:
             self._line()
+
+
+# What `note(..., None)` does within `showing(enabled)`: a command's --progress/--no-progress, for the lines of code
+# that cannot be handed it (a model class imported deep in planning). None: whether stderr is a terminal.
+_SHOWING: ContextVar[bool | None] = ContextVar("preshard_progress_showing", default=None)
+
+
+@contextlib.contextmanager
+def showing(enabled: bool | None) -> Iterator[None]:
+    """Within the block, `note(text)` (no `enabled` of its own) follows `enabled` (None: no change). Scoped to this
+    context, as `contextvars` scope: a thread started inside takes it only through `copy_context()`."""
+    if enabled is None:
+        yield
+        return
+    token = _SHOWING.set(enabled)
+    try:
+        yield
+    finally:
+        _SHOWING.reset(token)
+
+
+def shown(enabled: bool | None) -> bool:
+    """Whether progress is shown: `enabled`; where it is None, the enclosing `showing(...)`, else whether stderr is
+    a terminal."""
+    if enabled is None:
+        enabled = _SHOWING.get()
+    return sys.stderr.isatty() if enabled is None else bool(enabled)
+
+
+def note(text: str, enabled: bool | None = None) -> None:
+    """One line on stderr where progress is shown (`shown(enabled)`): for a phase that would otherwise be silent
+    for seconds (a resume's re-check, a model check, an import, planning)."""
+    if shown(enabled):
+        print(text, file=sys.stderr, flush=True)

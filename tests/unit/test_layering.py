@@ -53,6 +53,8 @@ RULES: dict[str, set[str]] = {
     "tools/dry_run.py": {"format", "plans", "sources", "converter", "tools/estimate.py", "tools/planner.py"},
     "tools/reshard.py": {"format", "plans", "sources", "converter", "tools/estimate.py", "tools/dry_run.py"},
     "tools/unshard.py": {"format", "sources", "converter", "tools/estimate.py", "tools/dry_run.py"},
+    # check: the sharded model (runtime) against the unsharded one its class loads; the class found as plans find it
+    "tools/check.py": {"format", "plans", "runtime"},
     "examples": {"examples"},
     "demo.py": {"format", "converter", "runtime", "examples"},
     "cli.py": {"format", "converter", "tools", "demo.py"},

@@ -12,6 +12,7 @@ folder, lock, journal and commit are `workdir`'s.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import hashlib
 import json
@@ -27,6 +28,7 @@ from preshard.converter.parallel import Coordinator, active_coordinator, owned_f
 from preshard.converter.pipeline import TensorWork, WritePipeline
 from preshard.converter.signals import StopFlag, deferred_signals
 from preshard.converter.workdir import (
+    JOURNAL_NAME,
     Journal,
     OutputLock,
     check_output,
@@ -60,9 +62,15 @@ from preshard.format.plan import Plan, resolve_plan
 from preshard.format.publish import publish_text
 from preshard.format.quant import parse_quantize
 from preshard.format.torch_record import RECORD_FRAMING_VERSION
-from preshard.plans.model_class import is_transformers_config
+from preshard.plans.model_class import (
+    check_model_class,
+    class_spec_of,
+    import_class_spec,
+    is_transformers_config,
+    user_model_class,
+)
 from preshard.plans.registry import choose_plan, vouched_for
-from preshard.progress import Progress
+from preshard.progress import Progress, note, showing
 from preshard.sources import ConversionSource, SourceRows, open_source
 
 # Journal (so fsync) about 64 times per conversion, but no more often than every 512 MiB: each fsync also flushes the
@@ -82,6 +90,7 @@ class ConversionPlan:
     files: FileLayout
     write_order: list[str]
     quantize: str | None = None  # --quantize: the stored dtype of the weights quantized at conversion
+    model_class: str | None = None  # --model-class: the user's own class, as `module:Class` (recorded, never imported)
 
     @property
     def output_bytes(self) -> int:
@@ -141,6 +150,7 @@ def finished_conversion(job: ConversionPlan, output: Path) -> Manifest | None:
         manifest.mesh != job.mesh
         or manifest.dtype != job.cast
         or manifest.quantize != job.quantize
+        or manifest.model_class != job.model_class
         or manifest.plan.to_dict() != job.plan.to_dict()
         or manifest.derived_from is not None
         or _lora_records(job.source) != [lora.to_dict() for lora in manifest.source.loras]
@@ -182,6 +192,7 @@ def plan_conversion(
     check_model: bool = True,
     loras: Iterable[Any] | None = None,
     quantize: str | None = None,
+    model_class: str | type | None = None,
 ) -> ConversionPlan:
     """Resolve source, plan, mesh and layout without writing anything (what a dry run shows).
 
@@ -190,13 +201,44 @@ def plan_conversion(
     (`vouched_for`); `convert_checkpoint` does that while it converts instead.
     `loras`: LoRAs to fuse into the weights as they are read (`preshard.converter.lora`).
     `quantize`: "fp8" or "int8": store the plan's sharded Linear weights quantized (`preshard.converter.quantize`).
+    `model_class`: the user's own model class (a class, or `module:Class` to import), for a checkpoint of a class
+    diffusers does not have (`convert_checkpoint`).
     """
     cast = parse_cast(dtype)
     fmt = parse_quantize(quantize)
+    user_class = resolve_model_class(model_class)
     if isinstance(source, (str, Path)):
         src = open_source(source, subfolder=subfolder, revision=revision, token=token)
     else:
         src = source
+    if user_class is not None:
+        check_model_class(user_class, src.config)
+    with user_model_class(user_class):
+        return _plan(src, mesh, plan, cast, fmt, token, check_model, loras, user_class)
+
+
+def resolve_model_class(model_class: str | type | None, progress: bool | None = None) -> type | None:
+    """`model_class` as a class: imported where it is a `module:Class` string (`import_class_spec`).
+
+    Raises:
+        UsageError: bad syntax, a module or attribute that is not there, not a class.
+    """
+    if model_class is None or isinstance(model_class, type):
+        return model_class
+    return import_class_spec(model_class, progress)
+
+
+def _plan(
+    src: ConversionSource,
+    mesh: MeshSpec,
+    plan: str | Path | Plan | None,
+    cast: DType | None,
+    fmt: str | None,
+    token: str | bool | None,
+    check_model: bool,
+    loras: Iterable[Any] | None,
+    user_class: type | None,
+) -> ConversionPlan:
     if is_transformers_config(src.config):
         src = as_loaded_names(src)
     if loras:
@@ -217,10 +259,12 @@ def plan_conversion(
     if check_model and not vouched_for(chosen, src.config, layouts, mesh.cp):
         from preshard.plans.from_model import check_plan_against_model  # torch and diffusers: plan files only
 
+        note(f"checking the plan {chosen.name} against the model class (built on the meta device)")
         check_plan_against_model(chosen, src.config, mesh.tp, mesh.cp)
     order = src.read_order()
     files = place_records([layouts[name] for name in order], mesh.tp)
-    return ConversionPlan(src, chosen, mesh, cast, layouts, files, order, fmt)
+    spec = class_spec_of(user_class) if user_class is not None else None
+    return ConversionPlan(src, chosen, mesh, cast, layouts, files, order, fmt, model_class=spec)
 
 
 def convert_checkpoint(
@@ -246,6 +290,7 @@ def convert_checkpoint(
     outcome: ConversionOutcome | None = None,
     on_tensor: Callable[[str], None] | None = None,
     quantize: str | None = None,
+    model_class: str | type | None = None,
 ) -> Manifest:
     """Convert a safetensors checkpoint into per-TP-rank DCP shards and a manifest, in `output`.
 
@@ -270,6 +315,11 @@ def convert_checkpoint(
         quantize: "fp8" (float8_e4m3fn) or "int8": store the plan's sharded Linear weights quantized, each with a
             float32 per-output-channel `weight_scale` computed on the whole row (every TP degree stores the same
             model); recorded in the manifest's `quantize`. See docs/quantized.md.
+        model_class: the model's class where it is not in diffusers or transformers: the class itself, or
+            `"module:Class"` to import (your code: only ever what you name here, never what a config.json names).
+            config.json's `_class_name` must name it. Its plan is found as for a diffusers class (its `_tp_plan`,
+            else inferred from its modules); recorded in the manifest's `model_class` (a record: `load_sharded`
+            takes the class, as for any model). See docs/models-and-plans.md.
         outcome: filled in with what happened: converted, resumed (with what was kept), or already converted (an
             identical finished conversion is in `output`: nothing is written and its manifest is returned, without
             `overwrite`; see `finished_conversion`).
@@ -308,6 +358,48 @@ def convert_checkpoint(
         return convert_to_url(into, str(output), overwrite=overwrite)
     coordinator = active_coordinator()
     try:
+        user_class = resolve_model_class(model_class, progress)
+    except BaseException as exc:
+        if coordinator is not None:
+            coordinator.fail(exc)
+        raise
+    with user_model_class(user_class), showing(progress):
+        return _convert(
+            source, output, mesh=mesh, tp=tp, cp=cp, ring=ring, ulysses=ulysses, order=order, plan=plan, dtype=dtype,
+            subfolder=subfolder, revision=revision, token=token, overwrite=overwrite, wait=wait, progress=progress,
+            workers=workers, loras=loras, outcome=outcome, on_tensor=on_tensor, quantize=quantize,
+            user_class=user_class, coordinator=coordinator,
+        )  # fmt: skip
+
+
+def _convert(
+    source: str | Path,
+    output: str | Path,
+    *,
+    mesh: MeshSpec | None,
+    tp: int | None,
+    cp: int | None,
+    ring: int | None,
+    ulysses: int | None,
+    order: str | tuple[str, ...] | None,
+    plan: str | Path | Plan | None,
+    dtype: str | DType | Any | None,
+    subfolder: str | None,
+    revision: str | None,
+    token: str | bool | None,
+    overwrite: bool,
+    wait: bool,
+    progress: bool | None,
+    workers: int,
+    loras: Iterable[Any] | None,
+    outcome: ConversionOutcome | None,
+    on_tensor: Callable[[str], None] | None,
+    quantize: str | None,
+    user_class: type | None,
+    coordinator: Coordinator | None,
+) -> Manifest:
+    """`convert_checkpoint`, the user's class (if any) imported and in scope."""
+    try:
         mesh = resolve_mesh(mesh, tp, cp, ring, ulysses, order)
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise UsageError(f"workers must be a positive integer, not {workers!r}")
@@ -329,6 +421,7 @@ def convert_checkpoint(
             check_model=False,  # done while converting
             loras=loras,
             quantize=quantize,
+            model_class=user_class,
         )
         finished = None if overwrite else finished_conversion(job, Path(output))
     except BaseException as exc:
@@ -432,7 +525,9 @@ class _Background:
 
     def start(self) -> None:
         if self._thread is None and self._check is not None:
-            self._thread = threading.Thread(target=self._run, name="check model", daemon=True)
+            # in this context: the user's model class (`user_model_class`) is seen by the check
+            context = contextvars.copy_context()
+            self._thread = threading.Thread(target=context.run, args=(self._run,), name="check model", daemon=True)
             self._thread.start()
 
     def _run(self) -> None:
@@ -479,6 +574,8 @@ def _job_key(job: ConversionPlan) -> str:
     h.update(f"tp={job.mesh.tp}:cast={job.cast}:records={RECORD_FRAMING_VERSION}".encode())
     if job.quantize is not None:  # (also in the source's identity; here so that no reader of the key misses it)
         h.update(f":quantize={job.quantize}".encode())
+    if job.model_class is not None:
+        h.update(f":model_class={job.model_class}".encode())
     return h.hexdigest()
 
 
@@ -532,6 +629,8 @@ class _Conversion:
                 check_space(self.output, self.work, space_needed(job))
                 self.identity = src.identity()
                 open_workdir(self.work, _job_key(job))  # another job's partial is cleared: nothing to resume
+                if (self.work / JOURNAL_NAME).is_file():  # seconds to minutes: every kept record re-read
+                    self._note("resuming: re-checking what the interrupted run wrote (every kept record re-read)")
                 self.reader = src.open_reader()  # first: it proves (re-reading) what the journal may keep
                 done, opened = resume(
                     self.work, job.write_order, job.files, tp, self.check_stop, prove=self.reader.prove
@@ -790,6 +889,7 @@ def _manifest(
         preshard_version=__version__,
         created=created_now(),
         quantize=job.quantize,
+        model_class=job.model_class,
     )
 
 

@@ -88,6 +88,30 @@ def parse_cast(value: str | DType | Any | None, what: str = "--dtype") -> DType 
     )
 
 
+def parse_load_dtype(torch_dtype: str | DType | Any | None, dtype: str | DType | Any | None) -> DType | None:
+    """What a load casts floating tensors to, from `torch_dtype=` (diffusers' name) and its alias `dtype=`:
+    None (neither given, or "auto") keeps each tensor's stored dtype.
+
+    Example:
+        >>> parse_load_dtype("bf16", None).name, parse_load_dtype(None, "auto")
+        ('bfloat16', None)
+
+    Raises:
+        UsageError: a dtype other than bf16/fp16/fp32 (or "auto"); both given, naming different dtypes.
+    """
+    given = {
+        what: None if isinstance(value, str) and value.lower() == "auto" else parse_cast(value, what)
+        for what, value in (("torch_dtype=", torch_dtype), ("dtype=", dtype))
+        if value is not None
+    }
+    if len(given) == 2 and given["torch_dtype="] != given["dtype="]:
+        names = [c.name if c is not None else "auto" for c in given.values()]
+        raise UsageError(
+            f"torch_dtype={names[0]} and dtype={names[1]} differ (dtype= is an alias of torch_dtype=); pass one"
+        )
+    return next(iter(given.values()), None)
+
+
 def cast_dtype(source: DType, requested: DType | None) -> DType:
     """A cast changes 16/32/64-bit floating tensors only; integers and float8 (quantised data) are kept."""
     if requested is None or not source.is_floating_point or source.itemsize == 1:

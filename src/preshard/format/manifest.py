@@ -203,6 +203,14 @@ class Source:
         return set().union(*(lora.tensors() for lora in self.loras)) if self.loras else set()
 
 
+def _is_class_spec(value: Any) -> bool:
+    """`module:Class` (Python identifiers, the module dotted; at most 300 characters): what `model_class` records."""
+    if not isinstance(value, str) or len(value) > 300:
+        return False
+    module, colon, name = value.partition(":")
+    return bool(colon) and all(part.isidentifier() for part in [*module.split("."), *name.split(".")])
+
+
 @dataclass(frozen=True)
 class Provenance:
     """Where a resharded checkpoint came from."""
@@ -228,6 +236,9 @@ class Manifest:
     digest: str = ""
     metadata: FileRecord | None = None  # `.metadata`'s size and hash (absent from manifests written before it)
     quantize: str | None = None  # `--quantize`: the stored dtype of the weights quantized at conversion, if any
+    # `--model-class`: the user's own class the conversion was planned with, as `module:Class`; a record for people
+    # and tools, never imported from (`load_sharded` takes the class from its caller).
+    model_class: str | None = None
 
     def quantized_at_conversion(self) -> dict[str, str]:
         """Weight -> the per-output-channel scale computed for it at conversion (`--quantize`; empty without)."""
@@ -307,6 +318,7 @@ class Manifest:
             # Only when recorded, so that a manifest written before the field existed keeps its digest.
             **({"metadata": vars(self.metadata).copy()} if self.metadata is not None else {}),
             **({"quantize": self.quantize} if self.quantize is not None else {}),
+            **({"model_class": self.model_class} if self.model_class is not None else {}),
         }  # fmt: skip
 
     def compute_digest(self) -> str:
@@ -507,7 +519,7 @@ class _Parser:
             "format", "version", "preshard_version", "created", "source", "derived_from", "mesh", "plan", "dtype",
             "config", "records", "checksums", "tensors", "files", "ranks", "digest",
         }  # fmt: skip
-        self.obj(data, "manifest", top, {"metadata", "quantize"})
+        self.obj(data, "manifest", top, {"metadata", "quantize", "model_class"})
         digest = self.hex(data["digest"], "digest", _HEX32)
         body = {k: v for k, v in data.items() if k != "digest"}
         if xxhash.xxh3_128_hexdigest(canonical_json(body)) != digest:
@@ -542,6 +554,9 @@ class _Parser:
         quantize = data.get("quantize")
         if quantize is not None and quantize not in QUANTIZED_AT_CONVERSION:
             raise self.bad(f"quantize {quantize!r} is not a format preshard quantizes to")
+        model_class = data.get("model_class")
+        if model_class is not None and not _is_class_spec(model_class):
+            raise self.bad(f"model_class {str(model_class)[:80]!r} is not module:Class")
         files = self.files(data["files"], mesh.tp)
         tensors = self.tensors(data["tensors"], mesh.tp, cast, {f.name for f in files}, quantize)
         self.check_plan(plan, tensors, mesh.tp, cast)
@@ -562,6 +577,7 @@ class _Parser:
             created=self.str(data["created"], "created"),
             digest=digest,
             quantize=quantize,
+            model_class=model_class,
         )
         if data["ranks"] != manifest.rank_table():
             raise self.bad(f"the rank table does not match the mesh {mesh.describe()} and the chunks each rank reads")

@@ -14,6 +14,7 @@ from preshard.format.jsonio import parse_json_text, read_json
 from preshard.format.plan import Plan
 from preshard.plans.model_class import is_transformers_config
 from preshard.plans.tensor_check import structure_shown_by_tensors
+from preshard.progress import note
 
 if TYPE_CHECKING:
     from preshard.format.layout import TensorLayout
@@ -112,6 +113,7 @@ def choose_plan(plan: str | Path | Plan | None, config: dict[str, Any] | None, t
         raise PlanError("no plan: the checkpoint has no config.json naming its model class; pass --plan NAME|FILE")
     from preshard.plans.from_model import plan_from_model_class
 
+    note(f"planning: reading the plan of {class_name} from its modules (built on the meta device)")
     if passed_over is None:
         return plan_from_model_class(class_name, config or {}, infer=auto, tp=tp)
     try:  # the built-in plan is made for another variant of the class: the next source decides, saying why

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from preshard.errors import MismatchError, PlanError, PreshardError, UsageError
-from preshard.format.dtypes import DType, parse_cast
+from preshard.format.dtypes import DType, parse_load_dtype
 from preshard.format.locate import is_url, local_path
 from preshard.format.manifest import MANIFEST_NAME, Manifest
 from preshard.format.mesh import MeshSpec, resolve_mesh
@@ -64,6 +64,7 @@ def load_sharded(
     ulysses: int | None = None,
     order: str | tuple[str, ...] | None = None,
     device: str | torch.device | None = None,
+    torch_dtype: str | torch.dtype | None = None,
     dtype: str | torch.dtype | None = None,
     verify: bool = True,
     revision: str | None = None,
@@ -88,8 +89,12 @@ def load_sharded(
             `MeshSpec` or the keywords, not both.
         device: "cpu", "cuda", "xla", "neuron" or a torch.device (default: CUDA if available, else CPU; XLA
             only when PJRT_DEVICE names an accelerator).
-        dtype: cast floating parameters to bf16/fp16/fp32 (a string or torch dtype), except modules the model
-            keeps in float32.
+        torch_dtype: as diffusers' `from_pretrained(torch_dtype=...)`: cast floating parameters and buffers to
+            bf16/fp16/fp32 (a torch dtype or a string), the modules the class lists in `_keep_in_fp32_modules` to
+            float32, quantized weights as stored. Default (or "auto"): each tensor as stored, as transformers'
+            default ("auto") keeps the checkpoint's dtype; diffusers' `from_pretrained` default is float32 instead:
+            `torch_dtype=torch.float32` gives the numbers of `from_pretrained(source)` without torch_dtype.
+        dtype: an alias of `torch_dtype` (both given and different: a `UsageError`).
         verify: check every chunk this rank reads against its xxh3_64, hashed beside the read (the default);
             False skips only that, for storage the caller vouches for (the structural and framing checks always
             run).
@@ -118,9 +123,9 @@ def load_sharded(
     """
     try:
         return _load_sharded(
-            model, checkpoint, mesh=mesh, cp=cp, ring=ring, ulysses=ulysses, order=order, device=device, dtype=dtype,
-            verify=verify, revision=revision, token=token, subfolder=subfolder, check_inputs=check_inputs,
-            timeout=timeout,
+            model, checkpoint, mesh=mesh, cp=cp, ring=ring, ulysses=ulysses, order=order, device=device,
+            torch_dtype=torch_dtype, dtype=dtype, verify=verify, revision=revision, token=token, subfolder=subfolder,
+            check_inputs=check_inputs, timeout=timeout,
             replicate_over_cp=replicate_over_cp,
         )  # fmt: skip
     except PreshardError:
@@ -130,6 +135,7 @@ def load_sharded(
 
 def _load_sharded(
     model, checkpoint, *, mesh, cp, ring, ulysses, order, device, dtype, verify, revision, token, subfolder=None,
+    torch_dtype=None,
     check_inputs=True,
     place_buffers=True,
     timeout=DEFAULT_TIMEOUT_S,
@@ -139,7 +145,7 @@ def _load_sharded(
     start = time.perf_counter()
     cast = input_mode = refused = None
     try:
-        cast, input_mode = parse_cast(dtype, "dtype="), parse_mode(check_inputs)
+        cast, input_mode = parse_load_dtype(torch_dtype, dtype), parse_mode(check_inputs)
     except PreshardError as exc:  # told to the other ranks as they join, so that none waits for this one
         refused = exc
     # First, with a bounded wait: a rank of a Hub checkpoint must know its TP coordinate (preshard.runtime.rendezvous).
@@ -390,11 +396,12 @@ def _new_report(rank_device: RankDevice, mesh: MeshSpec, groups: MeshGroups, che
 
 
 def _target_dtype(name: str, stored: DType, requested: DType | None, keep_fp32: list[str]) -> torch.dtype:
-    """torch's dtype for the parameter: the stored one, or the requested cast (floating ones, unless kept)."""
+    """torch's dtype for the parameter: the stored one, or the requested cast (floating ones); as diffusers'
+    `from_pretrained(torch_dtype=...)`, float32 for the modules the class keeps in float32."""
     if requested is None or not stored.is_floating_point or stored.itemsize == 1 or is_companion(name):
         return stored.torch
     if any(part in name.split(".") for part in keep_fp32):
-        return stored.torch
+        return torch.float32
     return requested.torch
 
 

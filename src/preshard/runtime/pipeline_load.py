@@ -28,7 +28,7 @@ from preshard.errors import (
     PreshardError,
     UsageError,
 )
-from preshard.format.dtypes import parse_cast
+from preshard.format.dtypes import parse_load_dtype
 from preshard.format.folder import CheckpointFolder
 from preshard.format.hub_names import check_hub_arguments
 from preshard.format.locate import local_path
@@ -46,6 +46,7 @@ from preshard.runtime.agreement import agree_on_checkpoint, agree_on_outcome
 from preshard.runtime.hub import names_repo
 from preshard.runtime.left_out import guard_left_out
 from preshard.runtime.load import load_sharded
+from preshard.runtime.rank_bars import rank0_bars
 from preshard.runtime.rendezvous import DEFAULT_TIMEOUT_S, join_job
 from preshard.runtime.report import REPORT_ATTRIBUTE
 from preshard.units import plural
@@ -225,6 +226,7 @@ def _whole_failure(exc: Exception, folder: CheckpointFolder) -> PreshardError:
     return MismatchError(f"diffusers could not load the components kept whole in {folder.path} ({text}); {fix}")
 
 
+@rank0_bars  # under torchrun, diffusers' and transformers' bars on rank 0 only (runtime/rank_bars.py)
 def load_pipeline(
     checkpoint: str | Path,
     *,
@@ -234,6 +236,7 @@ def load_pipeline(
     ulysses: int | None = None,
     order: str | tuple[str, ...] | None = None,
     device: str | torch.device | None = None,
+    torch_dtype: str | torch.dtype | None = None,
     dtype: str | torch.dtype | None = None,
     verify: bool = True,
     check_inputs: bool | str = True,
@@ -260,7 +263,10 @@ def load_pipeline(
             index) against its size and xxh3_128 in the sealed `preshard_pipeline.json`, hashed in a thread while
             the sharded components load. `verify=False` (for storage you vouch for) skips the hashing; the record's
             seal, each listed file's presence and size, and each sharded component's manifest are checked always.
-        dtype: cast the sharded components (as `load_sharded`) and load the whole ones in it (`torch_dtype`).
+        torch_dtype: as diffusers' `from_pretrained`: the sharded components cast as `load_sharded(torch_dtype=)`
+            casts, the whole ones loaded in it. Default (or "auto"): the sharded components as stored, the whole
+            ones as diffusers' `from_pretrained` loads them without torch_dtype (float32).
+        dtype: an alias of `torch_dtype` (both given and different: a `UsageError`).
         components: components given in memory instead of read from the folder (as diffusers' `from_pretrained`
             takes them), e.g. a processor the folder does not hold.
         timeout: seconds a rank waits for the others to join the job (as `load_sharded`); the ranks also agree on
@@ -287,9 +293,9 @@ def load_pipeline(
     """
     try:
         return _load_pipeline(
-            checkpoint, mesh=mesh, cp=cp, ring=ring, ulysses=ulysses, order=order, device=device, dtype=dtype,
-            verify=verify, check_inputs=check_inputs, revision=revision, token=token, components=components,
-            blocks=blocks, timeout=timeout, kwargs=kwargs,
+            checkpoint, mesh=mesh, cp=cp, ring=ring, ulysses=ulysses, order=order, device=device,
+            torch_dtype=torch_dtype, dtype=dtype, verify=verify, check_inputs=check_inputs, revision=revision,
+            token=token, components=components, blocks=blocks, timeout=timeout, kwargs=kwargs,
         )  # fmt: skip
     except PreshardError:
         one_line_errors_under_torchrun()
@@ -297,8 +303,8 @@ def load_pipeline(
 
 
 def _load_pipeline(
-    checkpoint, *, mesh, cp, ring, ulysses, order, device, dtype, verify, check_inputs, revision, token, components,
-    blocks, timeout, kwargs,
+    checkpoint, *, mesh, cp, ring, ulysses, order, device, torch_dtype, dtype, verify, check_inputs, revision, token,
+    components, blocks, timeout, kwargs,
 ) -> Any:  # fmt: skip
     error: PreshardError | None = None
     given = dict(components or {})
@@ -306,7 +312,7 @@ def _load_pipeline(
     classes: dict[str, type] = {}
     try:
         folder, record, commit = _open_record(checkpoint, revision, token)
-        cast = parse_cast(dtype, "dtype=")
+        cast = parse_load_dtype(torch_dtype, dtype)
         job_tp = int(record.mesh["tp"])
         for component in record.sharded():
             if component.tp != job_tp:
@@ -327,7 +333,7 @@ def _load_pipeline(
         error = exc
     # The bounded join load_sharded makes, here first: the process group is made once, by the pipeline's ranks.
     requests: dict[str, object] = {
-        "pipeline": [str(checkpoint), revision], "dtype": None if dtype is None else str(dtype),
+        "pipeline": [str(checkpoint), revision], "dtype": [str(torch_dtype), str(dtype)],
         "mesh": mesh.to_dict() if mesh else [cp, ring, ulysses, order],
         **_loader_requests(given, blocks, kwargs, verify, check_inputs),
     }  # fmt: skip
@@ -350,7 +356,8 @@ def _load_pipeline(
             where = (checkpoint, component.name) if commit is not None else (folder.path / component.name, None)
             sharded[component.name] = load_sharded(
                 classes[component.name], where[0], subfolder=where[1], revision=commit,
-                token=token if commit else None, mesh=job_mesh, device=device, dtype=dtype, verify=verify,
+                token=token if commit else None, mesh=job_mesh, device=device,
+                torch_dtype=None if cast is None else cast.torch, verify=verify,
                 check_inputs=check_inputs, replicate_over_cp=component.library == "transformers", timeout=timeout,
             )  # fmt: skip
     except BaseException:

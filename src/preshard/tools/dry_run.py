@@ -59,6 +59,7 @@ def dry_run(
     loras: Any = None,
     quantize: str | None = None,
     start_seconds: float = 0.0,
+    model_class: str | type | None = None,
 ) -> DryRun:
     """Everything a conversion decides before writing, the space it needs and a time estimate; writes nothing.
 
@@ -75,8 +76,9 @@ def dry_run(
 
     src = open_source_headers(source, subfolder=subfolder, revision=revision, token=token)
     job, check_s = timed_check(
-        plan_conversion, src, mesh=mesh, plan=plan, dtype=dtype, loras=loras, token=token, quantize=quantize
-    )
+        plan_conversion, src, mesh=mesh, plan=plan, dtype=dtype, loras=loras, token=token, quantize=quantize,
+        model_class=model_class,
+    )  # fmt: skip
     output = Path(output)
     check_output(output, job.source.input_paths(), overwrite)
     per_rank = rank_bytes(job.layouts, job.write_order, mesh.tp)
