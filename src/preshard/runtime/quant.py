@@ -31,8 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from preshard.errors import CorruptCheckpointError
 from preshard.format.manifest import Manifest
-from preshard.format.quant import QuantSpec, is_companion, recognise
+from preshard.format.quant import QuantSpec, check_finite_scale, is_companion, recognise
 from preshard.format.style_forwards import dequantized_weight
 
 MARKERS = ("scaled_fp8",)  # ComfyUI's empty marker tensor at the root
@@ -78,6 +79,21 @@ def prepare(net: nn.Module, manifest: Manifest, specs: Mapping[str, QuantSpec]) 
             except AttributeError:
                 continue  # the model lacks the module: check_against_manifest names the tensor
             module.register_buffer(leaf, torch.empty(layout.shape, dtype=layout.dtype.torch, device="meta"))
+
+
+def check_scales(tensors: Mapping[str, torch.Tensor], specs: Mapping[str, QuantSpec]) -> None:
+    """Every weight scale this rank read is finite (a NaN or Inf one makes its weight's rows NaN/Inf at every
+    forward).
+
+    Raises:
+        CorruptCheckpointError: naming the scale.
+    """
+    for spec in specs.values():
+        if spec.scale is not None and spec.scale in tensors:
+            check_finite_scale(
+                spec.scale, tensors[spec.scale], CorruptCheckpointError,
+                "the checkpoint cannot compute its weight: convert a source whose scales are numbers",
+            )  # fmt: skip
 
 
 def compute_dtype(net: nn.Module, requested: torch.dtype | None) -> torch.dtype:
