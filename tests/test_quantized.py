@@ -553,3 +553,100 @@ def test_a_weight_scale_beside_a_float_linear_the_plan_keeps_whole_is_refused(tm
     with pytest.raises(PlanError, match=rf"{name}\.{scale} is a weight scale, but its module has a float32 weight"):
         convert_checkpoint(source, tmp_path / "out", tp=2, progress=False)
     assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Quantized weights computed where they are (issue 39): no full-precision copy of a weight, at any moment
+
+
+class _Sizes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the largest floating (2+ bytes per element) tensor any op makes while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype.itemsize > 1:
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def _quantized_linear(fmt: str, granularity: str, rows: int = 1536, cols: int = 1024):
+    from preshard.format.quant import QuantSpec
+    from preshard.runtime.quant import attach
+
+    torch.manual_seed(0)
+    w = torch.randn(rows, cols)
+    linear = torch.nn.Linear(cols, rows)
+    state = {"weight": w}
+    if granularity == "block":
+        q, grid = _blocks(w, 128)
+        state = {"weight": q, "weight_scale_inv": grid}
+        spec = QuantSpec("m.weight", "float8_e4m3fn", "block", "m.weight_scale_inv", "float32", (128, 128))
+    elif fmt == "int8":
+        q, scale = _per_channel_int8(w)
+        state = {"weight": q, "weight_scale": scale}
+        spec = QuantSpec("m.weight", "int8", "channel", "m.weight_scale", "float32")
+    else:
+        q, scale = _per_tensor(w)
+        state = {"weight": q, "weight_scale": scale.reshape(1)}
+        spec = QuantSpec("m.weight", "float8_e4m3fn", "tensor", "m.weight_scale", "float32")
+    linear.weight = torch.nn.Parameter(state.pop("weight"), requires_grad=False)
+    for name, value in state.items():
+        linear.register_buffer(name, value)
+    net = torch.nn.Module()
+    net.m = linear
+    attach(net, {"m.weight": spec}, torch.float32)
+    if granularity == "block":
+        reference = q.float() * grid.repeat_interleave(128, 0).repeat_interleave(128, 1)
+    else:
+        reference = dequantized({"m.weight": q, **{f"m.{k}": v for k, v in state.items()}})["m.weight"]
+    return net.m, reference
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("fmt, granularity", [("int8", "channel"), ("fp8", "tensor"), ("fp8", "block")])
+def test_a_quantized_linear_never_makes_a_full_precision_copy_of_its_weight_and_equals_the_dequantized_one(
+    fmt, granularity
+):
+    linear, weight = _quantized_linear(fmt, granularity)
+    tensors_before = {n: (t.dtype, t.numel()) for n, t in [*linear.named_parameters(), *linear.named_buffers()]}
+    for rows in (1, 64, 200):  # (the output, rows x 1536, stays under half the weight)
+        x = torch.randn(2, rows, weight.shape[1])
+        with torch.no_grad(), _Sizes() as sizes:
+            got = linear(x)
+        want = torch.nn.functional.linear(x, weight, linear.bias)
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (fmt, granularity, rows)
+        # no op made a floating tensor the weight's size: the largest is a tile or the output
+        assert sizes.largest < weight.numel() // 2, (sizes.largest, weight.numel())
+    tensors_after = {n: (t.dtype, t.numel()) for n, t in [*linear.named_parameters(), *linear.named_buffers()]}
+    assert tensors_after == tensors_before  # nothing kept on the module either
+    assert linear.weight.dtype == torch.int8
+    # negative control: the old forward (the whole weight dequantized) is seen by the same count
+    from preshard.format.style_forwards import dequantized_weight
+
+    with torch.no_grad(), _Sizes() as sizes:
+        torch.nn.functional.linear(x, dequantized_weight(linear), linear.bias)
+    assert sizes.largest >= weight.numel()
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("stored", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_the_cpu_float8_decoding_gives_every_byte_its_value(stored):
+    """Every finite byte pattern (subnormals, zeros of both signs, the largest) decodes to torch's own cast."""
+    from preshard.format.style_forwards import linear_forward
+
+    codes = torch.arange(256, dtype=torch.int16).to(torch.uint8).view(torch.int8)
+    values = codes.view(stored).float()
+    finite = torch.isfinite(values)
+    eye = torch.eye(256)
+    linear = torch.nn.Linear(256, 256, bias=False)
+    linear.weight = torch.nn.Parameter(codes.repeat(256, 1).t().contiguous(), requires_grad=False)  # row i: byte i
+    linear.preshard_weight_format, linear.preshard_compute_dtype = stored, torch.float32
+    linear.preshard_scale_name, linear.preshard_block = None, None
+    with torch.no_grad():
+        got = linear_forward(linear, eye, None)[0]  # row 0 of x @ Wᵀ: column 0 of W = each byte's value
+    assert torch.equal(got[finite], values[finite])
