@@ -12,6 +12,7 @@ CPU), timed from the call to the loaded model (`report.total_seconds`). A third 
 conversion of the same source. Repetitions alternate the order.
 
     PYTHONPATH=src python benchmarks/bench_quant.py --layers 2 --reps 2
+    PYTHONPATH=src python benchmarks/bench_quant.py --forward --reps 7      # the forwards: CPU s, one thread
 """
 
 from __future__ import annotations
@@ -83,17 +84,98 @@ def load_job(checkpoint: Path, work: Path, env: dict[str, str]) -> list[dict]:
     return ranks
 
 
+# Real-width MiniMax-H3 Linear shapes (out, in): an attention projection (hidden 5376) and the FFN down
+# projection (ffn 14336 -> hidden); `--forward` times each quantized forward against the dense layer.
+FORWARD_SHAPES = {"attn.to_q": (5376, 5376), "ff.down": (5376, 14336)}
+
+
+def _cpu_s() -> float:
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def forward_bench(reps: int, rows_list: list[int], shapes: list[str]) -> None:
+    """Quantized Linear forwards (fp8 and int8, per-channel scales, and the whole-weight dequantization they
+    replaced) against the same layer loaded dense (float32 weights, float32 compute), interleaved, one thread."""
+    import time
+
+    import torch
+
+    from preshard.format.quant import QuantSpec, quantize_rows
+    from preshard.format.style_forwards import dequantized_weight
+    from preshard.runtime.quant import attach
+
+    torch.set_num_threads(1)
+    print(f"load average at start: {loadavg()}")
+    for shape_name in shapes:
+        out_f, in_f = FORWARD_SHAPES[shape_name]
+        torch.manual_seed(0)
+        w = torch.randn(out_f, in_f) / in_f**0.5
+        layers: dict[str, object] = {}
+        dense = torch.nn.Linear(in_f, out_f, bias=False).requires_grad_(False)
+        for fmt, dtype_name in (("fp8", "float8_e4m3fn"), ("int8", "int8")):
+            q, scale = quantize_rows(w, dtype_name)
+            linear = torch.nn.Linear(in_f, out_f, bias=False).requires_grad_(False)
+            linear.weight = torch.nn.Parameter(q, requires_grad=False)
+            linear.register_buffer("weight_scale", scale)
+            net = torch.nn.Module()
+            net.m = linear
+            attach(net, {"m.weight": QuantSpec("m.weight", dtype_name, "channel", "m.weight_scale", "float32")},
+                   torch.float32)  # fmt: skip
+            layers[fmt] = linear
+            if fmt == "fp8":
+                dense.weight.copy_(q.float() * scale[:, None])  # the same model, dense
+
+        def before(x: torch.Tensor, old=layers["fp8"]) -> torch.Tensor:
+            return torch.nn.functional.linear(x, dequantized_weight(old))
+
+        runs = {
+            "dense": dense,
+            "fp8": layers["fp8"],
+            "int8": layers["int8"],
+            "fp8 whole-weight (before)": before,
+        }
+        for rows in rows_list:
+            x = torch.randn(rows, in_f)
+            cpu: dict[str, list[float]] = {k: [] for k in runs}
+            wall: dict[str, list[float]] = {k: [] for k in runs}
+            with torch.no_grad():
+                for fn in runs.values():
+                    fn(x)  # warm
+                for rep in range(reps):
+                    for kind in runs if rep % 2 == 0 else reversed(list(runs)):
+                        c, t = _cpu_s(), time.perf_counter()
+                        runs[kind](x)
+                        cpu[kind].append(_cpu_s() - c)
+                        wall[kind].append(time.perf_counter() - t)
+            base = statistics.median(cpu["dense"])
+            print(f"\n{shape_name} [{out_f}, {in_f}], {rows} rows, medians of {reps} interleaved, load {loadavg()}")
+            for kind in runs:
+                med = statistics.median(cpu[kind])
+                took = statistics.median(wall[kind])
+                print(f"  {kind:28} CPU {med:8.4f} s ({med / base:5.2f}x dense)  wall {took:8.4f} s")
+    print(f"load average at end: {loadavg()}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--granularity", choices=("channel", "block"), default="channel")
     parser.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one)")
+    parser.add_argument("--forward", action="store_true", help="time quantized Linear forwards instead")
+    parser.add_argument("--rows", default="64,2000", help="--forward: input rows, comma-separated")
+    parser.add_argument("--shapes", default=",".join(FORWARD_SHAPES), help="--forward: which shapes")
     parser.add_argument("--rank-child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_child:
         rank_main(args.rank_child, args.out)
+        return
+    if args.forward:
+        forward_bench(args.reps, [int(r) for r in args.rows.split(",")], args.shapes.split(","))
         return
 
     from preshard.examples.synthetic import minimax_h3_tensors, total_nbytes, write_safetensors_checkpoint

@@ -188,3 +188,25 @@ def test_quantize_on_a_quantized_source_and_an_unknown_format_are_refused_in_one
     assert "\n" not in str(e.value)
     with pytest.raises(UsageError, match="'fp4' is not a format preshard quantizes to; use one of: fp8, int8"):
         convert_checkpoint(converted["src"], tmp_path / "out", tp=2, quantize="fp4", progress=False)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_a_source_row_holding_nan_or_inf_is_refused_naming_the_tensor_and_row(converted, tmp_path, value, fmt):
+    """Its scale would be NaN/Inf (the whole row's weights with it): refused in one line, nothing committed."""
+    from preshard.errors import SourceError
+
+    state = load_file(str(converted["src"] / SOURCE_FILE))
+    name = "blocks.0.ffn.net.0.proj.weight"
+    state[name] = state[name].clone()
+    state[name][5, 3] = value
+    folder = tmp_path / "src"
+    folder.mkdir()
+    (folder / "config.json").write_text((converted["src"] / "config.json").read_text())
+    save_file(state, str(folder / SOURCE_FILE))
+    with pytest.raises(SourceError, match=rf"row 5 of {name} holds NaN or Inf; --quantize cannot scale it") as e:
+        convert_checkpoint(folder, tmp_path / "out", tp=2, quantize=fmt, progress=False)
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "out").exists()
+    convert_checkpoint(folder, tmp_path / "plain", tp=2, progress=False)  # the control: without --quantize it converts

@@ -251,6 +251,10 @@ def _plan(
         from preshard.converter.quantize import with_quantize
 
         src = quantized = with_quantize(src, chosen, fmt)
+    else:
+        from preshard.converter.quantize import with_scale_checks
+
+        src = with_scale_checks(src)
     layouts = resolve_plan(chosen, src.shapes(), mesh.tp, cast=cast, config=src.config or {})
     if quantized is not None:
         layouts = quantized.layouts(layouts)

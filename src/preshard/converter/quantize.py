@@ -24,12 +24,12 @@ from typing import Any
 
 import numpy as np
 
-from preshard.errors import PlanError
+from preshard.errors import PlanError, SourceError
 from preshard.format.dtypes import FLOAT32, DType, as_dtype
 from preshard.format.layout import TensorLayout
 from preshard.format.manifest import Source
 from preshard.format.plan import Plan, resolve_plan
-from preshard.format.quant import QUANTIZE_SCALE, recognise, row_scales
+from preshard.format.quant import QUANTIZE_SCALE, check_finite_scale, recognise, row_scales
 from preshard.sources import ConversionSource, SourceRows
 from preshard.sources.wrapped import Wrapped, WrappedRows
 
@@ -113,7 +113,14 @@ class QuantizedRows(WrappedRows):
         data = rows if rows.ctypes.data % dtype.itemsize == 0 else rows.copy()
         tensor = torch.from_numpy(data[: count * shape[1] * dtype.itemsize]).view(dtype.torch).view(count, shape[1])
         seen = self.scales.setdefault(weight, np.full(shape[0], np.nan, dtype=np.float32))
-        seen[start : start + count] = row_scales(tensor, self.fmt).numpy()
+        scales = row_scales(tensor, self.fmt).numpy()
+        bad = np.flatnonzero(~np.isfinite(scales))  # a NaN or Inf in the row: its scale would be one too
+        if bad.size:
+            raise SourceError(
+                f"row {start + int(bad[0])} of {weight} holds NaN or Inf; --quantize cannot scale it (nothing is "
+                "committed): fix the source's weights or drop --quantize"
+            )
+        seen[start : start + count] = scales
 
     def _serve(self, scale: str, start: int, count: int, out: np.ndarray) -> np.ndarray:
         weight = self.weight_of[scale]
@@ -170,6 +177,62 @@ class QuantizedRows(WrappedRows):
             if weight is not None and (weight not in proved or proof is None or recorded[weight] != proof):
                 return index
         return len(kept)
+
+
+def _as_values(data: np.ndarray, count: int, shape: tuple[int, ...], dtype: DType) -> Any:
+    """The values of `count` rows (a 0-dim tensor: its one value) held in the flat uint8 `data`, as torch's."""
+    import torch
+
+    nbytes = (count * math.prod(shape[1:]) if shape else 1) * dtype.itemsize
+    raw = data[:nbytes]
+    if raw.ctypes.data % dtype.itemsize:
+        raw = raw.copy()
+    return torch.from_numpy(raw).view(dtype.torch)
+
+
+class ScaleCheckedRows(WrappedRows):
+    """A source's rows, each weight scale's values checked finite as they are read (a pre-quantized source)."""
+
+    def __init__(self, base: SourceRows, scales: set[str], shapes: Mapping[str, tuple[tuple[int, ...], DType]]):
+        self.base, self.checked, self.shapes = base, scales, shapes
+
+    def _check(self, name: str, count: int, data: np.ndarray) -> None:
+        shape, dtype = self.shapes[name]
+        fix = "nothing is committed: fix the source's scales"
+        check_finite_scale(name, _as_values(data, count, shape, dtype), SourceError, fix)
+
+    def read_rows(self, name: str, start: int, count: int, out: np.ndarray) -> None:
+        self.base.read_rows(name, start, count, out)
+        if name in self.checked:
+            self._check(name, count, out)
+
+    def start_band(self, name: str, start: int, count: int, buffer: np.ndarray) -> Any:
+        return (name, count, self.base.start_band(name, start, count, buffer))
+
+    def finish_band(self, band: Any) -> np.ndarray:
+        name, count, inner = band
+        view = self.base.finish_band(inner)
+        if name in self.checked:
+            self._check(name, count, view)
+        return view
+
+
+class ScaleCheckedSource(Wrapped):
+    """A conversion source whose weight scales are checked finite as they are read; all else is the base's."""
+
+    def __init__(self, base: ConversionSource, scales: set[str]) -> None:
+        self.base, self.scales = base, scales
+
+    def open_reader(self) -> ScaleCheckedRows:
+        shapes = {name: (shape, as_dtype(dtype)) for name, (shape, dtype) in self.base.shapes().items()}
+        return ScaleCheckedRows(self.base.open_reader(), self.scales, shapes)
+
+
+def with_scale_checks(source: ConversionSource) -> ConversionSource:
+    """`source`, its weight scales (if it is quantized) checked finite as they are read: a NaN/Inf scale is
+    refused naming it (`SourceError`) before the conversion commits."""
+    scales = {spec.scale for spec in recognise(source.shapes(), source.config).values() if spec.scale is not None}
+    return ScaleCheckedSource(source, scales) if scales else source
 
 
 class QuantizedSource(Wrapped):
@@ -241,4 +304,7 @@ def with_quantize(source: ConversionSource, plan: Plan, fmt: str) -> QuantizedSo
     return QuantizedSource(source, weights_to_quantize(plan, source.shapes(), source.config), fmt)
 
 
-__all__ = ["QuantizedRows", "QuantizedSource", "keep_fp32_modules", "weights_to_quantize", "with_quantize"]
+__all__ = [
+    "QuantizedRows", "QuantizedSource", "ScaleCheckedSource", "keep_fp32_modules", "weights_to_quantize",
+    "with_quantize", "with_scale_checks",
+]  # fmt: skip

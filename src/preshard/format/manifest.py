@@ -684,7 +684,7 @@ class _Parser:
             for name, r in tensors.items()
         }
         try:
-            resolved = resolve_plan(plan, shapes, tp, cast=cast)
+            resolved = resolve_plan(plan, shapes, tp, cast=cast, derive_blocks=True)  # (no config.json here)
         except PlanError as exc:
             raise self.bad(f"the embedded plan does not fit the tensors: {exc}") from None
         for name, record in tensors.items():

@@ -547,9 +547,10 @@ def resolve_plan(
     cast: DType | Any | None = None,
     config: Mapping[str, Any] | None = None,
     check_divisible: bool = True,
+    derive_blocks: bool = False,
 ) -> dict[str, TensorLayout]:
     """Every tensor's layout under `plan` at TP degree `tp` (tensors the plan does not name are replicated; dtypes
-    are `DType`s or torch's).
+    are `DType`s or torch's; `derive_blocks`: as `format.quant.recognise`'s).
 
     Raises:
         PlanError: overlapping rules, a rule that matches no tensor (unless optional, or a norm rule: a norm
@@ -560,7 +561,7 @@ def resolve_plan(
     resolved: dict[str, TensorLayout] = {}
     cast = as_dtype(cast) if cast is not None else None
     hits = {rule.match: 0 for rule in plan.linear}
-    recognise(tensors, config)  # a quantized layout preshard does not handle, or a scale that fits no weight
+    recognise(tensors, config, derive_blocks)  # a layout preshard does not handle, or a scale that fits no weight
     for name, (shape, dtype) in tensors.items():
         module = name.rpartition(".")[0]
         rules = [rule for rule in plan.linear if matches(rule.match, module)]
@@ -571,7 +572,7 @@ def resolve_plan(
             )
         style = rules[0].style_for(module, tensors, plan.origin) if rules else REPLICATE
         if rules and is_companion(name):  # a weight's scale follows its weight (format/quant.py)
-            style = companion_style(name, tuple(shape), style, tensors, config)
+            style = companion_style(name, tuple(shape), style, tensors, config, derive_blocks)
         if rules:
             hits[rules[0].match] += 1
         try:

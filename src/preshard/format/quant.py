@@ -95,15 +95,19 @@ def refuse_unsupported(tensors: Shapes) -> None:
             )
 
 
-def _block_size(weight: tuple[int, ...], grid: tuple[int, ...], config: Mapping[str, Any] | None, name: str):
+def _block_size(
+    weight: tuple[int, ...], grid: tuple[int, ...], config: Mapping[str, Any] | None, name: str, derive: bool = False
+):
     configured = ((config or {}).get("quantization_config") or {}).get("weight_block_size")
     if configured is not None:
         sizes_ok = isinstance(configured, list) and len(configured) == 2
         if not sizes_ok or not all(isinstance(b, int) and b > 0 for b in configured):
             raise PlanError(f"config.json's quantization_config.weight_block_size {configured!r} is not [rows, cols]")
         block = (configured[0], configured[1])
-    else:  # every shard of a split dimension is whole blocks only where the block divides it: derive it from there
+    elif derive:  # (a sealed manifest's own check: the conversion refused a block the shapes did not determine)
         block = (-(-weight[0] // grid[0]), -(-weight[1] // grid[1]))
+    else:
+        block = _derived_block(weight, grid, name)
     expected = (-(-weight[0] // block[0]), -(-weight[1] // block[1]))
     if tuple(grid) != expected:
         raise PlanError(
@@ -114,8 +118,43 @@ def _block_size(weight: tuple[int, ...], grid: tuple[int, ...], config: Mapping[
     return block
 
 
+def _derived_block(weight: tuple[int, ...], grid: tuple[int, ...], name: str) -> tuple[int, int]:
+    """The block size the shapes alone determine: a grid of `g` blocks over `n` rows fits every block size `b`
+    with `ceil(n / b) == g`, i.e. `n/g <= b < n/(g-1)`; one grid block (`g == 1`) is the whole dimension whatever `b`.
+    Where more than one size fits, they dequantize differently: refused, never guessed."""
+    block = []
+    for n, g in zip(weight, grid, strict=True):
+        if g < 1 or g > max(n, 1):
+            block.append(-(-n // max(g, 1)))  # no size fits: the caller's grid check names the shape
+            continue
+        low = -(-n // g)
+        high = low if g == 1 else -(-n // (g - 1)) - 1
+        if high != low:
+            raise PlanError(
+                f"{name}: its {list(grid)} grid over the weight {list(weight)} fits blocks of {low} to {high} along "
+                f"one dimension, and config.json states no quantization_config.weight_block_size; add it (e.g. "
+                '"weight_block_size": [128, 128], as the release states it)'
+            )
+        block.append(max(low, 1))
+    return block[0], block[1]
+
+
+def check_finite_scale(name: str, values: Any, error: type[Exception], fix: str) -> None:
+    """Raises `error` naming the weight scale `name` where its torch tensor `values` holds NaN or Inf: a
+    dequantized weight would be NaN/Inf in every row the scale covers."""
+    import torch
+
+    if values.is_floating_point() and values.numel() and not bool(torch.isfinite(values).all()):
+        raise error(f"the weight scale {name} holds NaN or Inf; {fix}")
+
+
 def companion_style(
-    name: str, shape: tuple[int, ...], style: Style, tensors: Shapes, config: Mapping[str, Any] | None
+    name: str,
+    shape: tuple[int, ...],
+    style: Style,
+    tensors: Shapes,
+    config: Mapping[str, Any] | None,
+    derive_blocks: bool = False,
 ) -> Style:
     """The style of a scale tensor `name` whose module the plan gives `style` (cut as `layout_role` says).
 
@@ -141,7 +180,7 @@ def companion_style(
             return style
         return REPLICATE
     if len(shape) == 2:  # a block grid (weight_scale_inv, or a block-shaped weight_scale)
-        block = _block_size(weight[0], shape, config, name)
+        block = _block_size(weight[0], shape, config, name, derive_blocks)
         dim = style.shard_dim("weight")
         if dim is None:
             return REPLICATE
@@ -179,13 +218,29 @@ def is_companion(name: str) -> bool:
     return name.rpartition(".")[2] in COMPANIONS
 
 
-def recognise(tensors: Shapes, config: Mapping[str, Any] | None = None) -> dict[str, QuantSpec]:
+def recognise(
+    tensors: Shapes, config: Mapping[str, Any] | None = None, derive_blocks: bool = False
+) -> dict[str, QuantSpec]:
     """Every quantized Linear weight of a checkpoint, by weight name.
+
+    A block size comes from config.json's `quantization_config.weight_block_size`, else from the shapes where they
+    determine it (else refused); `derive_blocks` takes the smallest size that fits instead (a sealed manifest's
+    check, which has no config.json: the conversion and the load refuse what the shapes leave open).
 
     Raises:
         PlanError: a layout preshard does not handle, or a scale of a dtype no scale is stored in.
     """
     refuse_unsupported(tensors)
+    for name in tensors:  # a weight scale beside a weight that is not fp8/int8 would be silently left unapplied
+        module, _, leaf = name.rpartition(".")
+        if leaf in (*WEIGHT_SCALES, BLOCK_SCALE):
+            weight = tensors.get(f"{module}.weight" if module else "weight")
+            if weight is None or len(weight[0]) != 2 or as_dtype(weight[1]).name not in QUANTIZED_DTYPES:
+                got = "no weight" if weight is None else f"a {as_dtype(weight[1]).name} weight"
+                raise PlanError(
+                    f"{name} is a weight scale, but its module has {got}, not an fp8/int8 Linear weight; preshard "
+                    "does not apply a scale to a floating weight: remove the scale or store the weight quantized"
+                )
     specs: dict[str, QuantSpec] = {}
     for name, (shape, dtype) in tensors.items():
         module, _, leaf = name.rpartition(".")
@@ -214,7 +269,7 @@ def recognise(tensors: Shapes, config: Mapping[str, Any] | None = None) -> dict[
             granularity = "block"
             if len(scale_shape) != 2:
                 raise PlanError(f"{scales[0]} has shape {list(scale_shape)}, which fits no scale granularity")
-            block = _block_size(tuple(shape), tuple(scale_shape), config, scales[0])
+            block = _block_size(tuple(shape), tuple(scale_shape), config, scales[0], derive_blocks)
         specs[name] = QuantSpec(
             name, fmt, granularity, scales[0], scale_dtype_name, block, inputs[0] if inputs else None
         )
@@ -261,7 +316,7 @@ def row_scales(rows: Any, dtype_name: str) -> Any:
         return torch.ones(rows.shape[0])
     low, high = torch.aminmax(rows, dim=1)  # no |rows| copy: amax(|row|) = max(-min, max)
     amax = torch.maximum(low.neg(), high).to(torch.float32)
-    return torch.where(amax > 0, amax / limit, torch.ones_like(amax))
+    return torch.where(amax == 0, torch.ones_like(amax), amax / limit)  # (NaN and Inf stay: the caller refuses)
 
 
 def quantize_rows(rows: Any, dtype_name: str) -> tuple[Any, Any]:

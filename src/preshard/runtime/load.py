@@ -275,6 +275,7 @@ def _load_held(
         pin = rank_device.pin_host_memory
         with ShardReader(checkpoint, manifest, tp_rank, verify=verify, pin=pin, fds=fds) as reader:
             reader.read_all(locals_)
+        quant.check_scales(locals_, quantized)
     except Exception as exc:  # told to the other ranks at the end of the load, so that none goes on alone
         error = exc
     # Every rank read what it agreed on; that checkpoint must still be the one at the path, on every rank.

@@ -4,8 +4,10 @@ A checkpoint's quantized weights (`format/quant.py`: float8/int8 with per-tensor
 are loaded as they are stored; each scale becomes a buffer of its Linear under its own name (so `state_dict` and
 `save_pretrained` give back the tensors the source stored, scales included) and the Linear computes
 `x @ (weight.to(dtype) * scale)ᵀ` at the compute dtype: `load_sharded(dtype=...)`, else the dtype of the model's
-other floating weights. The dequantization is `format.style_forwards.dequantized_weight`, which the row-parallel
-forwards call too, so it composes with every TP style, CP, and `torch.compile` (plain tensor ops, no graph break).
+other floating weights. The forward is `format.style_forwards.linear_forward`, which the row-parallel forwards call
+too: it dequantizes a tile of rows at a time into one reused buffer (no full-precision copy of the weight exists at
+any moment) and scales the output, so it composes with every TP style, CP, and `torch.compile` (plain tensor ops,
+no graph break).
 
 Why not torchao's or diffusers' quantized tensors: diffusers' quantizers quantize a model as it loads from a
 safetensors checkpoint, not a rank's slice, and torchao's tensor subclasses would have to pass through the TP
@@ -28,12 +30,12 @@ from collections.abc import Mapping
 from typing import Any, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from preshard.errors import CorruptCheckpointError
 from preshard.format.manifest import Manifest
-from preshard.format.quant import QuantSpec, is_companion, recognise
-from preshard.format.style_forwards import dequantized_weight
+from preshard.format.quant import QuantSpec, check_finite_scale, is_companion, recognise
+from preshard.format.style_forwards import linear_forward
 
 MARKERS = ("scaled_fp8",)  # ComfyUI's empty marker tensor at the root
 
@@ -45,7 +47,7 @@ class QuantizedLinearMixin(nn.Module):
     bias: torch.Tensor | None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, dequantized_weight(self), self.bias)
+        return linear_forward(self, x, self.bias)
 
 
 @functools.cache
@@ -78,6 +80,21 @@ def prepare(net: nn.Module, manifest: Manifest, specs: Mapping[str, QuantSpec]) 
             except AttributeError:
                 continue  # the model lacks the module: check_against_manifest names the tensor
             module.register_buffer(leaf, torch.empty(layout.shape, dtype=layout.dtype.torch, device="meta"))
+
+
+def check_scales(tensors: Mapping[str, torch.Tensor], specs: Mapping[str, QuantSpec]) -> None:
+    """Every weight scale this rank read is finite (a NaN or Inf one makes its weight's rows NaN/Inf at every
+    forward).
+
+    Raises:
+        CorruptCheckpointError: naming the scale.
+    """
+    for spec in specs.values():
+        if spec.scale is not None and spec.scale in tensors:
+            check_finite_scale(
+                spec.scale, tensors[spec.scale], CorruptCheckpointError,
+                "the checkpoint cannot compute its weight: convert a source whose scales are numbers",
+            )  # fmt: skip
 
 
 def compute_dtype(net: nn.Module, requested: torch.dtype | None) -> torch.dtype:
