@@ -35,6 +35,7 @@ OPTIONAL = {
     "transformers": "the tiny pipelines' text encoders (examples/minimax_h3_pipeline.py, for tests and the example's "
     "--tiny): the `test` extra; a real diffusers pipeline needs it anyway",
     "httpx2": "huggingface_hub's own HTTP client, imported for its error type with a fallback",
+    "fsspec": "object storage (s3:// and other URLs): the `s3` extra; format/object_store.py names it when missing",
 }
 
 
