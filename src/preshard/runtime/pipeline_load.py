@@ -22,6 +22,7 @@ from preshard.format.dtypes import parse_cast
 from preshard.format.locate import local_path
 from preshard.format.mesh import MeshSpec
 from preshard.format.pipeline_record import PIPELINE_RECORD_NAME, PipelineRecord, read_pipeline_record
+from preshard.runtime.compile_cache import CompileOptions
 from preshard.runtime.hub import names_repo
 from preshard.runtime.left_out import guard_left_out
 from preshard.runtime.load import load_sharded
@@ -96,6 +97,7 @@ def load_pipeline(
     components: dict[str, Any] | None = None,
     blocks: Any = None,
     timeout: float = DEFAULT_TIMEOUT_S,
+    compile: bool | CompileOptions = False,
     **kwargs: Any,
 ) -> Any:
     """Load a converted pipeline: every sharded component on this rank's shard, the rest whole.
@@ -117,6 +119,7 @@ def load_pipeline(
             the pipeline, dtype and mesh before the process group is made.
         blocks: for a modular pipeline, the blocks to run (`blocks.init_pipeline(folder)`; default: the blocks the
             index names, `ModularPipeline.from_pretrained`).
+        compile: as `load_sharded`, for each sharded component (each keeps its own cache entries).
         **kwargs: passed to diffusers' `from_pretrained` (standard pipelines) or `load_components` (modular).
 
     Returns:
@@ -161,7 +164,7 @@ def load_pipeline(
         sharded[component.name] = load_sharded(
             cls, where[0], subfolder=where[1], revision=commit, token=token if commit else None, mesh=job_mesh,
             device=device, dtype=dtype, verify=verify, check_inputs=check_inputs,
-            replicate_over_cp=component.library == "transformers",
+            replicate_over_cp=component.library == "transformers", compile=compile,
         )  # fmt: skip
     given = dict(components or {})
     overlap = sorted(set(given) & set(sharded))
