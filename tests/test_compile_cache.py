@@ -58,7 +58,8 @@ def _key_of(net, options: CompileOptions, inputs: dict) -> dict:
     from preshard.format.manifest import read_manifest
 
     digest = read_manifest(net.preshard_report.checkpoint).digest
-    return {**cc.static_key(net._orig_mod, options, digest), "inputs": cc.inputs_key((), {**inputs, "return_dict": False})}
+    call = {**inputs, "return_dict": False}
+    return {**cc.static_key(net._orig_mod, options, digest), "inputs": cc.inputs_key((), call)}
 
 
 def _write(cache: Path, key: dict, tmp_path: Path) -> Path:
