@@ -68,7 +68,7 @@ def _load1() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=1)
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--tp", type=int, default=4)
     parser.add_argument("--cp", type=int, default=2)
     parser.add_argument("--workdir", type=Path, default=None)
@@ -99,9 +99,11 @@ def main() -> None:
                 run = timed(convert, env, root / "log.txt", timeout=1800)
                 est = report["estimate_seconds"]
                 rows.append((rep, state, est, run["wall_s"], load_dry, load_run, report["estimate"]))
+                cpu = run["user_s"] + run["sys_s"]
+                spread = f"{report['estimate']['low']:.1f}..{report['estimate']['high']:.1f} s"
                 print(
-                    f"rep {rep} {state}: estimate {est:.2f} s, measured {run['wall_s']:.2f} s, "
-                    f"ratio {run['wall_s'] / est:.2f} (load {load_dry} / {load_run})",
+                    f"rep {rep} {state}: estimate {est:.2f} s (spread {spread}), measured {run['wall_s']:.2f} s "
+                    f"({cpu:.2f} CPU s), ratio {run['wall_s'] / est:.2f} (load {load_dry} / {load_run})",
                     file=sys.stderr,
                 )
     finally:
@@ -109,7 +111,7 @@ def main() -> None:
     print(f"source: MiniMax-H3, {args.layers} layer(s) at real width, {size / GIB:.2f} GiB; mesh {' '.join(mesh)}")
     print(
         f"{'rep':>3} {'state':<5} {'estimate':>9} {'measured':>9} {'measured/est':>13}  load (dry / run)  cached"
-        "   start  check   disk    cpu"
+        "   start  check   disk    cpu  spread (fastest..slowest rounds)"
     )
     for rep, state, est, wall, ld, lr, parts in rows:
         share = parts["work"]["cached_bytes"] / max(1, parts["work"]["source_bytes"])
@@ -117,7 +119,12 @@ def main() -> None:
         print(
             f"{rep:>3} {state:<5} {est:>8.2f}s {wall:>8.2f}s {wall / est:>13.2f}  {ld:>5} / {lr:<5}    {share:>4.0%}"
             f"  {parts['start_seconds']:>6.2f} {parts['check_seconds']:>6.2f} {disk:>6.2f} {parts['cpu_seconds']:>6.2f}"
+            f"  {parts['low']:.2f}..{parts['high']:.2f}"
         )
+    estimates = [est for _, _, est, *_ in rows]
+    if estimates:
+        low, high = min(estimates), max(estimates)
+        print(f"estimates: {low:.2f}..{high:.2f} s (max/min {high / low:.2f})")
     for state in ("warm", "cold"):
         ratios = [wall / est for _, s, est, wall, *_ in rows if s == state]
         if ratios:
