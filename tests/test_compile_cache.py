@@ -131,6 +131,25 @@ def test_a_damaged_or_foreign_entry_is_not_loaded_unless_trusted(checkpoint, tmp
 
 
 @pytest.mark.quick
+def test_a_cold_first_call_writes_its_entry_and_a_failed_one_writes_none(checkpoint, tmp_path, user_cache, monkeypatch):
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"saved", torch.compiler._cache.CacheInfo()))
+    cache = tmp_path / "cache"
+    net = _load(checkpoint, cache=cache)
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    with pytest.raises(Exception, match="missing|required|argument"):
+        net()  # the first call raises: nothing is saved, inductor's folder is the caller's again
+    assert not cache.exists() or list(cache.iterdir()) == []
+    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == before
+    _forward(net)  # the next call is the first that runs: its entry is written, signed, under its key
+    (entry,) = cache.iterdir()
+    assert (entry / "artifacts.bin").read_bytes() == b"saved"
+    key = _key_of(net, CompileOptions(backend="eager"), make_inputs(tiny_config(), SEQ_LEN))
+    assert entry.name == cc.entry_id(key) and json.loads((entry / "entry.json").read_text())["key"] == key
+    _forward(net)  # later calls: nothing more
+    assert len(list(cache.iterdir())) == 1
+
+
+@pytest.mark.quick
 def test_compile_takes_only_a_bool_or_options(checkpoint):
     from diffusers import MiniMaxH3Transformer3DModel as H3
 

@@ -137,9 +137,11 @@ def compile_loaded(
         first.before(args, kwargs)
 
     def after(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        for handle in handles:
-            handle.remove()
-        first.after()
+        failed = output is None  # what torch passes when the call raised: the next call is the first one again
+        if not failed:
+            for handle in handles:
+                handle.remove()
+        first.after(failed=failed)
 
     handles.append(compiled.register_forward_pre_hook(before, with_kwargs=True))
     handles.append(compiled.register_forward_hook(after, with_kwargs=True, always_call=True))
@@ -234,11 +236,11 @@ class _FirstCall:
             self.fresh = contextlib.ExitStack()
             self.fresh.enter_context(_fresh_artifacts())
 
-    def after(self) -> None:
+    def after(self, *, failed: bool) -> None:
         try:
             if self.fresh is not None and self.private is not None:
                 try:
-                    saved = torch.compiler.save_cache_artifacts()
+                    saved = None if failed else torch.compiler.save_cache_artifacts()
                 finally:
                     self.fresh.close()
                 if saved is not None:
