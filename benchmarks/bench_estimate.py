@@ -9,6 +9,11 @@ MiniMax-H3 at its real width (--layers transformer blocks and both refiner block
 `preshard.examples.synthetic` from a repeated random buffer.
 
     python benchmarks/bench_estimate.py --layers 1 --reps 3 --tp 4 --cp 2
+    python benchmarks/bench_estimate.py --probes 7   # the probes alone: 1 round vs the median of 3
+
+--probes N times the probes alone, N interleaved pairs: the estimate for a fixed cold conversion of 4.31 GB (read
+from a 256 MiB file here, written beside it) from a single-round probe (the previous design) and from the median of
+ROUNDS rounds, with the CPU seconds each probe took and the spread (max / min) of each estimate over the N runs.
 
 Disk: the source and one output (about twice the source), in a temporary folder removed at the end. Run it from
 the repository (or with PYTHONPATH pointing at src/) so that the converter under test is the working tree's.
@@ -65,6 +70,43 @@ def _load1() -> str:
     return loadavg().split()[0]
 
 
+def probes_only(runs: int, workdir: Path | None) -> None:
+    import resource
+
+    from preshard.tools import estimate as est
+
+    root = Path(tempfile.mkdtemp(prefix="preshard-bench-probes-", dir=workdir))
+    try:
+        source = root / "source.bin"
+        with open(source, "wb") as f:
+            for _ in range(32):
+                f.write(os.urandom(8 << 20))
+        work = est.Work.conversion(source_bytes=4_310_000_000, cached=0, output_bytes=4_310_000_000)
+        got: dict[int, list[tuple[float, float]]] = {1: [], est.ROUNDS: []}
+        rounds_default = est.ROUNDS
+        print(f"load before: {loadavg()}")
+        for i in range(runs):
+            for rounds in (1, rounds_default) if i % 2 == 0 else (rounds_default, 1):
+                est.ROUNDS = rounds
+                c0 = resource.getrusage(resource.RUSAGE_SELF)
+                seconds = est.estimate(work, est.probe(source, root)).seconds
+                c1 = resource.getrusage(resource.RUSAGE_SELF)
+                cpu = c1.ru_utime + c1.ru_stime - c0.ru_utime - c0.ru_stime
+                got[rounds].append((seconds, cpu))
+                print(f"run {i} rounds={rounds}: estimate {seconds:7.1f} s  probe CPU {cpu:.2f} s  load {_load1()}")
+        est.ROUNDS = rounds_default
+        for rounds, rows in got.items():
+            values = [s for s, _ in rows]
+            print(
+                f"rounds={rounds}: estimate median {statistics.median(values):.1f} s, range {min(values):.1f}.."
+                f"{max(values):.1f} s (max/min {max(values) / min(values):.2f}), probe CPU median "
+                f"{statistics.median(c for _, c in rows):.2f} s"
+            )
+        print(f"load after: {loadavg()}")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=1)
@@ -72,7 +114,11 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=4)
     parser.add_argument("--cp", type=int, default=2)
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--probes", type=int, default=0, help="time the probes alone, this many interleaved pairs")
     args = parser.parse_args()
+    if args.probes:
+        probes_only(args.probes, args.workdir)
+        return
     env = bench_env()
     root = Path(tempfile.mkdtemp(prefix="preshard-bench-estimate-", dir=args.workdir))
     rows = []
