@@ -9,6 +9,11 @@ MiniMax-H3 at its real width (--layers transformer blocks and both refiner block
 `preshard.examples.synthetic` from a repeated random buffer.
 
     python benchmarks/bench_estimate.py --layers 1 --reps 3 --tp 4 --cp 2
+    python benchmarks/bench_estimate.py --probes 7   # the probes alone: 1 round vs the median of 3
+
+--probes N times the probes alone, N interleaved pairs: the estimate for a fixed cold conversion of 4.31 GB (read
+from a 256 MiB file here, written beside it) from a single-round probe (the previous design) and from the median of
+ROUNDS rounds, with the CPU seconds each probe took and the spread (max / min) of each estimate over the N runs.
 
 Disk: the source and one output (about twice the source), in a temporary folder removed at the end. Run it from
 the repository (or with PYTHONPATH pointing at src/) so that the converter under test is the working tree's.
@@ -65,14 +70,55 @@ def _load1() -> str:
     return loadavg().split()[0]
 
 
+def probes_only(runs: int, workdir: Path | None) -> None:
+    import resource
+
+    from preshard.tools import estimate as est
+
+    root = Path(tempfile.mkdtemp(prefix="preshard-bench-probes-", dir=workdir))
+    try:
+        source = root / "source.bin"
+        with open(source, "wb") as f:
+            for _ in range(32):
+                f.write(os.urandom(8 << 20))
+        work = est.Work.conversion(source_bytes=4_310_000_000, cached=0, output_bytes=4_310_000_000)
+        got: dict[int, list[tuple[float, float]]] = {1: [], est.ROUNDS: []}
+        rounds_default = est.ROUNDS
+        print(f"load before: {loadavg()}")
+        for i in range(runs):
+            for rounds in (1, rounds_default) if i % 2 == 0 else (rounds_default, 1):
+                est.ROUNDS = rounds
+                c0 = resource.getrusage(resource.RUSAGE_SELF)
+                seconds = est.estimate(work, est.probe(source, root)).seconds
+                c1 = resource.getrusage(resource.RUSAGE_SELF)
+                cpu = c1.ru_utime + c1.ru_stime - c0.ru_utime - c0.ru_stime
+                got[rounds].append((seconds, cpu))
+                print(f"run {i} rounds={rounds}: estimate {seconds:7.1f} s  probe CPU {cpu:.2f} s  load {_load1()}")
+        est.ROUNDS = rounds_default
+        for rounds, rows in got.items():
+            values = [s for s, _ in rows]
+            print(
+                f"rounds={rounds}: estimate median {statistics.median(values):.1f} s, range {min(values):.1f}.."
+                f"{max(values):.1f} s (max/min {max(values) / min(values):.2f}), probe CPU median "
+                f"{statistics.median(c for _, c in rows):.2f} s"
+            )
+        print(f"load after: {loadavg()}")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=1)
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--tp", type=int, default=4)
     parser.add_argument("--cp", type=int, default=2)
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--probes", type=int, default=0, help="time the probes alone, this many interleaved pairs")
     args = parser.parse_args()
+    if args.probes:
+        probes_only(args.probes, args.workdir)
+        return
     env = bench_env()
     root = Path(tempfile.mkdtemp(prefix="preshard-bench-estimate-", dir=args.workdir))
     rows = []
@@ -99,9 +145,11 @@ def main() -> None:
                 run = timed(convert, env, root / "log.txt", timeout=1800)
                 est = report["estimate_seconds"]
                 rows.append((rep, state, est, run["wall_s"], load_dry, load_run, report["estimate"]))
+                cpu = run["user_s"] + run["sys_s"]
+                spread = f"{report['estimate']['low']:.1f}..{report['estimate']['high']:.1f} s"
                 print(
-                    f"rep {rep} {state}: estimate {est:.2f} s, measured {run['wall_s']:.2f} s, "
-                    f"ratio {run['wall_s'] / est:.2f} (load {load_dry} / {load_run})",
+                    f"rep {rep} {state}: estimate {est:.2f} s (spread {spread}), measured {run['wall_s']:.2f} s "
+                    f"({cpu:.2f} CPU s), ratio {run['wall_s'] / est:.2f} (load {load_dry} / {load_run})",
                     file=sys.stderr,
                 )
     finally:
@@ -109,7 +157,7 @@ def main() -> None:
     print(f"source: MiniMax-H3, {args.layers} layer(s) at real width, {size / GIB:.2f} GiB; mesh {' '.join(mesh)}")
     print(
         f"{'rep':>3} {'state':<5} {'estimate':>9} {'measured':>9} {'measured/est':>13}  load (dry / run)  cached"
-        "   start  check   disk    cpu"
+        "   start  check   disk    cpu  spread (fastest..slowest rounds)"
     )
     for rep, state, est, wall, ld, lr, parts in rows:
         share = parts["work"]["cached_bytes"] / max(1, parts["work"]["source_bytes"])
@@ -117,7 +165,12 @@ def main() -> None:
         print(
             f"{rep:>3} {state:<5} {est:>8.2f}s {wall:>8.2f}s {wall / est:>13.2f}  {ld:>5} / {lr:<5}    {share:>4.0%}"
             f"  {parts['start_seconds']:>6.2f} {parts['check_seconds']:>6.2f} {disk:>6.2f} {parts['cpu_seconds']:>6.2f}"
+            f"  {parts['low']:.2f}..{parts['high']:.2f}"
         )
+    estimates = [est for _, _, est, *_ in rows]
+    if estimates:
+        low, high = min(estimates), max(estimates)
+        print(f"estimates: {low:.2f}..{high:.2f} s (max/min {high / low:.2f})")
     for state in ("warm", "cold"):
         ratios = [wall / est for _, s, est, wall, *_ in rows if s == state]
         if ratios:

@@ -28,7 +28,7 @@ and the rest (Python between ops, diffusers' own code). Shares are of the profil
 --compile BACKEND adds, per job, torch.compile(model, fullgraph=True) with that backend: its first call
 (compile time) and its steady-state step, against the eager step of the same job.
 
-    python benchmarks/bench_forward.py                     # tp2, ulysses2, ring2, tp2xring2, tp2xulysses2; 3 runs
+    python benchmarks/bench_forward.py                     # tp2, ulysses2, ring2, tp2xring2, tp2xulysses2; 7 runs
     python benchmarks/bench_forward.py --meshes ring2,tp2xring2 --runs 5
     python benchmarks/bench_forward.py --compile inductor --meshes tp2,ulysses2,ring2 --runs 1
     python benchmarks/bench_forward.py --hidden 256 --heads 4 --layers 2 --rows 400 --runs 1   # a quick look
@@ -286,7 +286,7 @@ def main() -> None:
     parser.add_argument("--ffn", type=int, default=2816)
     parser.add_argument("--layers", type=int, default=5)
     parser.add_argument("--rows", type=int, default=2000)
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=7, help="alternating repetitions of every job (default 7)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--no-profile", dest="profile", action="store_false")

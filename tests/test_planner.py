@@ -258,6 +258,8 @@ def test_dry_run_json_gives_the_same_figures_and_json_needs_dry_run(tiny_sources
     assert report["fits_disk"] is True and report["space_error"] is None
     assert report["weight_bytes_per_rank"] == report["own_bytes_per_rank"] + report["replicated_bytes_per_rank"]
     assert report["estimate_seconds"] > 0 and report["estimate"]["probe"]["write"] > 0
+    low, high = report["estimate"]["low"], report["estimate"]["high"]  # the spread (estimate_seconds is rounded)
+    assert low - 1e-3 <= report["estimate_seconds"] <= high + 1e-3
     assert report["command"] == "convert" and report["status"] == "dry run"
 
     assert not out.exists()
@@ -353,3 +355,19 @@ def test_plan_errors_are_one_line(tmp_path: Path, h3_full):
         lines = run.stderr.splitlines()
         assert run.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (name, run.stderr)
         assert check(lines[0]), (name, lines[0])
+
+
+def test_each_probe_rate_is_the_median_of_its_rounds_and_the_spread_their_extremes(tmp_path: Path, monkeypatch):
+    from preshard.tools import estimate as est
+
+    reads = iter([50e6, 500e6, 100e6])  # one round slowed by a neighbour, one flattered by a device cache
+    monkeypatch.setattr(est, "_direct_read", lambda path, view, round_=0: next(reads))
+    source = tmp_path / "source.bin"
+    source.write_bytes(b"x" * (1 << 20))
+    rates = est.probe(source, None, nbytes=3 << 20)
+    assert rates.read == 100e6 and rates.slowest.read == 50e6 and rates.fastest.read == 500e6
+    work = est.Work.conversion(source_bytes=10**9, cached=0, output_bytes=0)
+    got = est.estimate(work, rates)
+    assert got.seconds == pytest.approx(max(10.0, got.cpu_seconds))  # 1 GB at the median rate, not at a round's
+    assert got.high >= 20.0 - 1e-9 and got.low <= got.seconds <= got.high
+    assert "from the probes' fastest and slowest rounds" in got.describe()

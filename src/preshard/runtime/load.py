@@ -21,6 +21,7 @@ from preshard.process import one_line_errors_under_torchrun
 from preshard.runtime import collectives, quant
 from preshard.runtime.agreement import agree_on_checkpoint, agree_on_outcome
 from preshard.runtime.changes import ModelChanges
+from preshard.runtime.compile_cache import CompileOptions, compile_loaded
 from preshard.runtime.consistency import parse_mode
 from preshard.runtime.construct import (
     build_model,
@@ -73,6 +74,7 @@ def load_sharded(
     check_inputs: bool | str = True,
     timeout: float = DEFAULT_TIMEOUT_S,
     replicate_over_cp: bool = False,
+    compile: bool | CompileOptions = False,
 ) -> nn.Module:
     """Load this rank's shard of a converted checkpoint into `model`, with the TP and CP hooks attached.
 
@@ -108,6 +110,9 @@ def load_sharded(
         replicate_over_cp: run the model with TP only on a mesh with CP axes: each CP group holds a replica of the
             TP shards and runs it on the same full inputs (no CP hooks), e.g. a pipeline's text encoder on the
             transformer's tp x cp mesh. A model without a CP plan on such a mesh needs it.
+        compile: return `torch.compile(model)` (True, or `CompileOptions(...)` for the backend, mode and cache), whose
+            first call loads the programs a previous load with the same key compiled, or saves its own
+            (`preshard.runtime.compile_cache`; they are code: see docs/compile-cache.md on trusting them).
 
     Returns:
         The model, with `model.preshard_report` describing what was read and which hooks sit where.
@@ -125,8 +130,7 @@ def load_sharded(
         return _load_sharded(
             model, checkpoint, mesh=mesh, cp=cp, ring=ring, ulysses=ulysses, order=order, device=device,
             torch_dtype=torch_dtype, dtype=dtype, verify=verify, revision=revision, token=token, subfolder=subfolder,
-            check_inputs=check_inputs, timeout=timeout,
-            replicate_over_cp=replicate_over_cp,
+            check_inputs=check_inputs, timeout=timeout, replicate_over_cp=replicate_over_cp, compile=compile,
         )  # fmt: skip
     except PreshardError:
         one_line_errors_under_torchrun()
@@ -140,6 +144,7 @@ def _load_sharded(
     place_buffers=True,
     timeout=DEFAULT_TIMEOUT_S,
     replicate_over_cp=False,
+    compile=False,
 ) -> nn.Module:  # fmt: skip
     """`load_sharded`, with a switch tests use to leave buffers where the model put them."""
     start = time.perf_counter()
@@ -166,9 +171,10 @@ def _load_sharded(
         agree_on_checkpoint(
             rank_device, digest, commit, error, str(checkpoint), {"device": rank_device.kind, **requests}
         )
-        return _load_held(
+        net = _load_held(
             model, held, run_mesh, rank_device, cast, verify, place_buffers, start, input_mode, replicate_over_cp
         )
+        return compile_loaded(net, compile, folder=held.path, remote=commit is not None, digest=held.manifest.digest)
     finally:
         if held is not None:
             held.close()

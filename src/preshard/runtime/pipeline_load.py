@@ -43,6 +43,7 @@ from preshard.format.pipeline_record import (
 )
 from preshard.process import one_line_errors_under_torchrun
 from preshard.runtime.agreement import agree_on_checkpoint, agree_on_outcome
+from preshard.runtime.compile_cache import CompileOptions
 from preshard.runtime.hub import names_repo
 from preshard.runtime.left_out import guard_left_out
 from preshard.runtime.load import load_sharded
@@ -245,6 +246,7 @@ def load_pipeline(
     components: dict[str, Any] | None = None,
     blocks: Any = None,
     timeout: float = DEFAULT_TIMEOUT_S,
+    compile: bool | CompileOptions = False,
     **kwargs: Any,
 ) -> Any:
     """Load a converted pipeline: every sharded component on this rank's shard, the rest whole, every file checked.
@@ -273,6 +275,7 @@ def load_pipeline(
             the pipeline record, dtype, mesh, components=, blocks= and the loader's keywords before anything loads.
         blocks: for a modular pipeline, the blocks to run (`blocks.init_pipeline(folder)`; default: the blocks the
             index names, `ModularPipeline.from_pretrained`).
+        compile: as `load_sharded`, for each sharded component (each keeps its own cache entries).
         **kwargs: passed to diffusers' `from_pretrained` (standard pipelines) or `load_components` (modular).
 
     Returns:
@@ -295,7 +298,7 @@ def load_pipeline(
         return _load_pipeline(
             checkpoint, mesh=mesh, cp=cp, ring=ring, ulysses=ulysses, order=order, device=device,
             torch_dtype=torch_dtype, dtype=dtype, verify=verify, check_inputs=check_inputs, revision=revision,
-            token=token, components=components, blocks=blocks, timeout=timeout, kwargs=kwargs,
+            token=token, components=components, blocks=blocks, timeout=timeout, compile=compile, kwargs=kwargs,
         )  # fmt: skip
     except PreshardError:
         one_line_errors_under_torchrun()
@@ -304,7 +307,7 @@ def load_pipeline(
 
 def _load_pipeline(
     checkpoint, *, mesh, cp, ring, ulysses, order, device, torch_dtype, dtype, verify, check_inputs, revision, token,
-    components, blocks, timeout, kwargs,
+    components, blocks, timeout, compile, kwargs,
 ) -> Any:  # fmt: skip
     error: PreshardError | None = None
     given = dict(components or {})
@@ -359,6 +362,7 @@ def _load_pipeline(
                 token=token if commit else None, mesh=job_mesh, device=device,
                 torch_dtype=None if cast is None else cast.torch, verify=verify,
                 check_inputs=check_inputs, replicate_over_cp=component.library == "transformers", timeout=timeout,
+                compile=compile,
             )  # fmt: skip
     except BaseException:
         files.stop()  # load_sharded failed on every rank alike

@@ -19,6 +19,11 @@ part measured here:
   passes over source and output), timed on a 64 MiB buffer now, so the machine's current load is in the figure,
   times CPU_OVERHEAD, the ratio of the converter's measured CPU time to those passes (README, "Dry run").
 
+Each rate is the median of ROUNDS short probes (a third of the probe's bytes each, the disk ones on distinct
+regions and files): one round that a neighbour's burst slows down, or a device cache flatters, no longer sets the
+figure (single 64 MiB probes moved the estimate of one source 4.5x over four runs a minute apart on a loaded 2-core
+machine). The slowest and fastest rounds give the estimate's spread, printed beside it (`Estimate.low`/`high`).
+
 The pipeline overlaps reading, writing and CPU work, hence the max. What no probe sees: a disk whose sustained rate
 falls below its burst rate, and other jobs arriving during the run.
 """
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -45,6 +51,7 @@ from preshard.sources.reader import cached_bytes
 PROBE_BYTES = 64 << 20
 PROBE_BLOCK = 8 << 20
 ALIGN = 4096
+ROUNDS = 3  # short probes per rate: the median is the rate, the slowest and fastest the spread
 PARALLEL = 4  # concurrent direct reads of a band (sources/reader.py) and data files written at once
 # The converter's CPU time per byte over the bare copies and hashes the probe times (threads, queues, O_DIRECT
 # system calls, numpy views, the journal): measured on this project's 2-core machine, README "Dry run".
@@ -60,6 +67,8 @@ class Probe:
     copy: float | None  # memory copy
     hash: float | None  # xxh3 pass (xxh3_64 and xxh3_128 run at about the same speed)
     probe_bytes: int = 0
+    slowest: Probe | None = None  # each rate's slowest round (None: one round only)
+    fastest: Probe | None = None
 
 
 @dataclass(frozen=True)
@@ -96,10 +105,12 @@ class Estimate:
     cpu_seconds: float
     work: Work
     probe: Probe
+    low: float | None = None  # the estimate at each rate's fastest round, and at its slowest
+    high: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
-        data["probe"] = {k: v for k, v in data["probe"].items() if k != "probe_bytes"}
+        data["probe"] = {k: v for k, v in data["probe"].items() if k not in ("probe_bytes", "slowest", "fastest")}
         return data
 
     def describe(self) -> str:
@@ -112,7 +123,13 @@ class Estimate:
             f"model check ({human_seconds(self.check_seconds)}) and the data: the larger of disk {disk} "
             f"({share:.0%} of the input in the page cache; read {_rate(p.read)}, write+fsync {_rate(p.write)}) "
             f"and CPU {human_seconds(self.cpu_seconds)} (copy {_rate(p.copy)}, xxh3 {_rate(p.hash)}, measured now)"
+            + self._spread()
         )
+
+    def _spread(self) -> str:
+        if self.low is None or self.high is None:
+            return ""
+        return f"; {human_seconds(self.low)} to {human_seconds(self.high)} from the probes' fastest and slowest rounds"
 
 
 def timed_check(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, float]:
@@ -148,29 +165,40 @@ def input_cached(paths: list[Path]) -> int:
 
 
 def probe(read_from: Path | None, write_in: Path | None, nbytes: int = PROBE_BYTES) -> Probe:
-    """Measure the rates the estimate needs; nothing is left behind. `read_from`: the largest input file (read with
-    O_DIRECT, which goes to the device whatever is cached); `write_in`: the output's folder (a temporary file,
-    written with O_DIRECT and fsynced, then removed)."""
+    """Measure the rates the estimate needs (each the median of ROUNDS short probes); nothing is left behind.
+    `read_from`: the largest input file (read with O_DIRECT, which goes to the device whatever is cached);
+    `write_in`: the output's folder (temporary files, written with O_DIRECT and fsynced, then removed)."""
     buffer = DirectIOBuffer(nbytes)  # aligned, as O_DIRECT needs, in the converter's kind of memory
+    rounds: dict[str, list[float | None]] = {"read": [], "write": [], "copy": [], "hash": []}
     try:
         view = buffer.view
-        read_rate = _direct_read(read_from, view) if read_from is not None else None
-        write_rate = _direct_write(write_in, view) if write_in is not None else None
+        part = nbytes // ROUNDS // ALIGN * ALIGN
+        for i in range(ROUNDS):
+            piece = view[i * part : (i + 1) * part]
+            rounds["read"].append(_direct_read(read_from, piece, i) if read_from is not None else None)
+            rounds["write"].append(_direct_write(write_in, piece) if write_in is not None else None)
         view[:] = os.urandom(PROBE_BLOCK) * (nbytes // PROBE_BLOCK) + os.urandom(nbytes % PROBE_BLOCK)
         source = buffer.array
         target = np.empty(nbytes, dtype=np.uint8)
         np.copyto(target, source)  # both buffers faulted in first: the pipeline's buffers are reused, so are these
-        start = time.perf_counter()
-        np.copyto(target, source)  # as the pipeline copies (numpy)
-        copy_s = time.perf_counter() - start
-        del source
-        start = time.perf_counter()
-        xxhash.xxh3_128(view).digest()
-        hash_s = time.perf_counter() - start
+        for i in range(ROUNDS):
+            piece = slice(i * part, (i + 1) * part)
+            start = time.perf_counter()
+            np.copyto(target[piece], source[piece])  # as the pipeline copies (numpy)
+            rounds["copy"].append(_per_s(part, time.perf_counter() - start))
+            start = time.perf_counter()
+            xxhash.xxh3_128(view[piece]).digest()
+            rounds["hash"].append(_per_s(part, time.perf_counter() - start))
+        del source, piece
         del view
     finally:
         buffer.close()
-    return Probe(read_rate, write_rate, _per_s(nbytes, copy_s), _per_s(nbytes, hash_s), nbytes)
+
+    def pick(choose: Callable[[list[float]], float]) -> dict[str, float | None]:
+        return {name: choose(got) if (got := [r for r in rates if r]) else None for name, rates in rounds.items()}
+
+    median = pick(statistics.median)
+    return Probe(**median, probe_bytes=nbytes, slowest=Probe(**pick(min)), fastest=Probe(**pick(max)))
 
 
 def estimate(work: Work, rates: Probe, *, start_seconds: float = 0.0, check_seconds: float = 0.0) -> Estimate:
@@ -189,7 +217,11 @@ def estimate(work: Work, rates: Probe, *, start_seconds: float = 0.0, check_seco
     cpu *= CPU_OVERHEAD
     data = max(disk or 0.0, cpu)
     seconds = start_seconds + max(check_seconds, data)
-    return Estimate(seconds, start_seconds, check_seconds, disk, cpu, work, rates)
+    low = high = None
+    if rates.fastest is not None and rates.slowest is not None:
+        low = estimate(work, rates.fastest, start_seconds=start_seconds, check_seconds=check_seconds).seconds
+        high = estimate(work, rates.slowest, start_seconds=start_seconds, check_seconds=check_seconds).seconds
+    return Estimate(seconds, start_seconds, check_seconds, disk, cpu, work, rates, low, high)
 
 
 def human_seconds(seconds: float) -> str:
@@ -220,9 +252,9 @@ def _parts(view: memoryview) -> list[memoryview]:
     return [view[i * step : (i + 1) * step] for i in range(PARALLEL)] if step else []
 
 
-def _direct_read(path: Path, view: memoryview) -> float | None:
-    """Read up to len(view) bytes from the middle of `path` with O_DIRECT, in PARALLEL concurrent parts as the reader
-    does; None where O_DIRECT is refused."""
+def _direct_read(path: Path, view: memoryview, round_: int = 0) -> float | None:
+    """Read up to len(view) bytes from region `round_` of ROUNDS around the middle of `path` with O_DIRECT, in PARALLEL
+    concurrent parts as the reader does; None where O_DIRECT is refused."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
     except OSError:
@@ -232,7 +264,9 @@ def _direct_read(path: Path, view: memoryview) -> float | None:
         parts = _parts(view[: min(len(view), size) // ALIGN * ALIGN])
         if not parts:
             return None
-        offset = (size - sum(len(p) for p in parts)) // 2 // ALIGN * ALIGN
+        span = sum(len(p) for p in parts)
+        regions = max(1, min(ROUNDS, size // span))
+        offset = ((size - regions * span) // 2 // ALIGN * ALIGN) + (round_ % regions) * span
 
         def read(i: int) -> int:
             return os.preadv(fd, [parts[i]], offset + i * len(parts[0]))
