@@ -663,12 +663,26 @@ def unshard_command(checkpoint, output, subfolder, revision, token, overwrite, w
     "--show-plan", "show_plan", type=click.Path(dir_okay=False), default=None,
     help="Also write the plan used (built-in, the class's _tp_plan or inferred) as an editable plan file.",
 )  # fmt: skip
+@click.option(
+    "--check", "check", is_flag=True, default=False,
+    help="Prove the plan instead: one block of config.json's model, random weights, run sharded at --tp N on N "
+    "gloo ranks against the unsharded block; exits 0 within tolerance, 1 beyond. Reads config.json only.",
+)  # fmt: skip
+@click.option("--tp", type=click.IntRange(min=1), default=None, help="With --check: the TP degree to check.")
+@click.option(
+    "--model-class", "model_class", default=None, metavar="MODULE:CLASS",
+    help="With --check: the model's class where it is not in diffusers or transformers (as at conversion).",
+)  # fmt: skip
+@click.option(
+    "--inputs", "inputs", default=None, metavar="FILE",
+    help="With --check: the forward's inputs, as preshard check --inputs (default: seeded, from the forward).",
+)  # fmt: skip
 @_hub_options()
 @_output_options
 @user_errors
 def plan_command(
-    source, devices, device_memory, plan, dtype, component_choices, keep_layers, show_plan, subfolder, revision, token,
-    as_json, quiet, progress,
+    source, devices, device_memory, plan, dtype, component_choices, keep_layers, show_plan, check, tp, model_class,
+    inputs, subfolder, revision, token, as_json, quiet, progress,
 ):  # fmt: skip
     """Which TP x CP meshes fit: per-rank weights, load reads and disk, from safetensors headers only.
 
@@ -679,6 +693,9 @@ def plan_command(
     from preshard.converter.pipeline_folder import is_pipeline_folder
     from preshard.tools.planner import plan_json, plan_meshes, plan_table
 
+    if check or tp is not None or model_class is not None or inputs is not None:
+        _plan_check(source, check, tp, plan, model_class, inputs, subfolder, revision, as_json, quiet, progress)
+        return
     if subfolder is None and is_pipeline_folder(source):
         from preshard.tools.pipeline_plan import pipeline_plan_json, pipeline_plan_table, plan_pipeline_job
 
@@ -707,6 +724,30 @@ def plan_command(
         data["plan_file"] = str(write_plan_file(chosen, show_plan))
         text += f"\nwrote the plan {chosen.name} to {show_plan}: edit it and pass --plan {show_plan}"
     _emit(data, text, as_json, quiet)
+
+
+def _plan_check(source, check, tp, plan, model_class, inputs, subfolder, revision, as_json, quiet, progress) -> None:
+    """`preshard plan SRC --check --tp N`: the plan proven on one block (`tools.plan_check`)."""
+    if not check:
+        raise UsageError("--tp, --model-class and --inputs on preshard plan go with --check; add --check or drop them")
+    if tp is None:
+        raise UsageError("--check needs the TP degree to check: add --tp N (e.g. --tp 2)")
+    if revision is not None:
+        raise UsageError("--check reads a local folder's config.json; drop --revision (download the config first)")
+    from preshard.tools.plan_check import check_plan
+
+    result = check_plan(
+        source,
+        tp=tp,
+        plan=plan,
+        model_class=model_class,
+        subfolder=subfolder,
+        inputs=inputs,
+        progress=_progress(progress, quiet),
+    )
+    _emit({"command": "plan", **result.to_dict()}, "\n".join(result.lines()), as_json, quiet and result.ok)
+    if not result.ok:
+        sys.exit(EXIT_PROBLEMS)
 
 
 @main.command(epilog=EXIT_CODES_HELP)

@@ -55,6 +55,7 @@ RULES: dict[str, set[str]] = {
     "tools/unshard.py": {"format", "sources", "converter", "tools/estimate.py", "tools/dry_run.py"},
     # check: the sharded model (runtime) against the unsharded one its class loads; the class found as plans find it
     "tools/check.py": {"format", "plans", "runtime"},
+    "tools/plan_check.py": {"format", "plans", "sources", "converter", "tools/check.py"},
     "examples": {"examples"},
     "demo.py": {"format", "converter", "runtime", "examples"},
     "cli.py": {"format", "converter", "tools", "demo.py"},

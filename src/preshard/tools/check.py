@@ -159,7 +159,10 @@ def build_inputs(model: nn.Module, config: dict[str, Any], seed: int = 0) -> dic
 
 def _input(arg: str, model: nn.Module, config: dict[str, Any], g: torch.Generator) -> torch.Tensor | None:
     if arg == "hidden_states":  # shaped by the top-level layer taking in_channels (else the first conv or Linear)
-        layers = [m for m in model.children() if isinstance(m, (nn.Conv3d, nn.Conv2d, nn.Linear))]
+        kinds = (nn.Conv3d, nn.Conv2d, nn.Linear)
+        layers = [m for m in model.children() if isinstance(m, kinds)]
+        if not layers and config.get("in_channels") is None:  # no input layer at the top: the first Linear inside
+            layers += [m for m in model.modules() if isinstance(m, nn.Linear)][:1]
         width = config.get("in_channels")
         taking = [m for m in layers if (m.in_features if isinstance(m, nn.Linear) else m.in_channels) == width]
         first = (taking or layers)[0] if layers else None
@@ -374,12 +377,15 @@ def launch_check(
     *,
     timeout: float = 3600.0,
     progress: bool | None = None,
+    one_line: bool = False,
 ) -> CheckResult:
     """Run `preshard check CHECKPOINT ARGS` under torchrun with as many ranks as the checkpoint's mesh (one host)
-    and return the lowest rank's result. The ranks' own lines (progress, errors) go to this process's stderr.
+    and return the lowest rank's result. The ranks' own lines (progress, errors) go to this process's stderr;
+    `one_line`: they are kept, and a failed job raises with the first rank's error line alone.
 
     Raises:
-        PreshardError: the job failed (its ranks' errors are above) or did not finish within `timeout` s.
+        PreshardError: the job failed (its ranks' errors are above, or in the message) or did not finish within
+            `timeout` s.
     """
     world = world_size_of(checkpoint)
     note(f"check: launching torchrun with {world} ranks", progress)
@@ -391,10 +397,19 @@ def launch_check(
             str(checkpoint), *args, "--result-file", str(result_path),
         ]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        stderr = subprocess.PIPE if one_line else None
         try:
-            done = subprocess.run(command, env=env, timeout=timeout, stdout=subprocess.DEVNULL, check=False)
+            done = subprocess.run(
+                command, env=env, timeout=timeout, stdout=subprocess.DEVNULL, stderr=stderr, check=False, text=True
+            )
         except subprocess.TimeoutExpired:
             raise PreshardError(f"check: the torchrun job did not finish within {timeout:.0f} s") from None
+        if one_line and (done.returncode != 0 or not result_path.is_file()):
+            lines = (done.stderr or "").splitlines()
+            errors = [line.removeprefix("error: ") for line in lines if line.startswith("error: ")]
+            if errors:
+                raise PreshardError(errors[0])
+            raise PreshardError(f"check: the torchrun job of {world} ranks failed (exit status {done.returncode})")
         if done.returncode != 0 or not result_path.is_file():
             raise PreshardError(
                 f"check: the torchrun job of {world} ranks failed (exit status {done.returncode}); its errors are above"
