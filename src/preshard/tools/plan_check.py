@@ -15,7 +15,6 @@ reference, each rank's shard) plus its files on a scratch disk (docs/models-and-
 from __future__ import annotations
 
 import gc
-import json
 import math
 import re
 import tempfile
@@ -189,9 +188,6 @@ def check_plan(
         model.save_pretrained(str(src), max_shard_size="1GB")  # type: ignore[operator]
         del model
         gc.collect()
-        if is_transformers_config(config):  # what the class wrote may drop keys the reduced config had
-            written = json.loads((src / "config.json").read_text())
-            (src / "config.json").write_text(json.dumps({**written, **{k: 1 for k in reduced}}))
         note(f"plan check: converting it at tp={tp}", progress)
         manifest = convert_checkpoint(src, out, tp=tp, plan=plan, progress=False, model_class=model_class)
         note(f"plan check: running it on {tp} ranks against the unsharded model", progress)
