@@ -2,8 +2,9 @@
 
 The output goes to a small tmpfs (`mount -t tmpfs -o size=4m`, as root; where mounting is not permitted the class
 has no cases and says so) that another writer fills right after preshard's up-front free-space check passed, leaving
-a third of what the command needs: the write runs out of space mid-way. A conversion of a single checkpoint, a
-reshard to another TP degree and an unshard each must fail with one line naming the full disk and the fix, commit
+a third of what the command needs (a pipeline's copies, which have no check: just before the first copy): the
+write runs out of space mid-way. A conversion of a single checkpoint and of a pipeline folder, a reshard to another
+TP degree and an unshard each must fail with one line naming the full disk and the fix, commit
 no output, and succeed once the space is freed (the conversion resuming from its partial folder, which it keeps).
 
 Run: `python scripts/hostile_soak.py --classes fulldisks` (as root).
@@ -55,13 +56,20 @@ def filled_after_check(disk: Path, targets: list[tuple[object, str]]) -> Iterato
     filler = disk / "filler"
     saved = [(module, name, getattr(module, name)) for module, name in targets]
 
+    def fill(leave: int) -> None:
+        stat = os.statvfs(disk)
+        filler.write_bytes(b"\0" * max(0, stat.f_bavail * stat.f_frsize - leave))
+
     def wrap(real: Callable[..., None]) -> Callable[..., None]:
         def check(*args: object) -> None:
+            if not isinstance(args[-1], int):  # a copy, not a check: the disk fills before its first copy
+                if not filler.exists():
+                    fill(8 << 10)
+                real(*args)
+                return
             filler.unlink(missing_ok=True)
             real(*args)
-            stat = os.statvfs(disk)
-            leave = min(int(str(args[-1])) // 3, 8 << 10)
-            filler.write_bytes(b"\0" * max(0, stat.f_bavail * stat.f_frsize - leave))
+            fill(min(args[-1] // 3, 8 << 10))
 
         return check
 
@@ -76,10 +84,12 @@ def filled_after_check(disk: Path, targets: list[tuple[object, str]]) -> Iterato
 
 def _checks() -> list[tuple[object, str]]:
     import preshard.converter.convert as convert
+    import preshard.converter.pipeline_folder as pipeline_folder
     import preshard.tools.reshard as reshard
     import preshard.tools.unshard as unshard
 
-    return [(convert, "check_space"), (unshard, "check_space"), (reshard, "_check_free")]
+    checks = [(convert, "check_space"), (unshard, "check_space"), (reshard, "_check_free")]
+    return [*checks, (pipeline_folder, "copy_component")]  # a pipeline's copies (no check of their own)
 
 
 def full_disk_case(args: Callable[[Path, Path], list[str]], *, resumes: bool) -> Callable[[Path], str | None]:
@@ -136,6 +146,14 @@ def _unshard(folder: Path, out: Path) -> list[str]:
     return ["unshard", str(checkpoint), str(out), "--no-progress"]
 
 
+def _pipeline(folder: Path, out: Path) -> list[str]:
+    from hostile_soak_pipelines import safetensors_bytes, write_pipeline
+
+    vae = {"config.json": b"{}", "diffusion_pytorch_model.safetensors": safetensors_bytes(1 << 19)}  # 2 MiB
+    source = write_pipeline(folder / "pipe", extra={"vae": vae})
+    return ["convert", str(source), str(out), "--tp", "2", "--quiet"]
+
+
 def fulldisk_cases(soak: Soak) -> list[Case]:
     import tempfile
 
@@ -147,6 +165,7 @@ def fulldisk_cases(soak: Soak) -> list[Case]:
         Case("fulldisks", "convert-single-checkpoint", full_disk_case(_convert, resumes=True)),
         Case("fulldisks", "reshard-tp1-to-tp2", full_disk_case(_reshard, resumes=False)),
         Case("fulldisks", "unshard", full_disk_case(_unshard, resumes=False)),
+        Case("fulldisks", "convert-pipeline-folder", full_disk_case(_pipeline, resumes=False)),
     ]
 
 
