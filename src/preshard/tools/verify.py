@@ -59,6 +59,21 @@ FIX = (
 )
 
 
+def verdict(checkpoint: str, problems: list[str], what: str) -> str:
+    """A verification's summary line: OK, or FAILED with the count of problems, what was checked and the fix."""
+    if not problems:
+        return f"OK {checkpoint}: {what}"
+    return f"FAILED {checkpoint}: {plural(len(problems), 'problem')}; checked {what}; {FIX}"
+
+
+def shown_problems(problems: list[str], limit: int = MAX_SHOWN) -> list[str]:
+    """The first `limit` problems, and a line counting the rest."""
+    lines = list(problems[:limit])
+    if len(problems) > limit:
+        lines.append(f"... and {len(problems) - limit} more")
+    return lines
+
+
 @dataclass
 class VerifyResult:
     """What `verify_checkpoint` found: `problems` (one line each, empty when all is well) and counters."""
@@ -98,15 +113,10 @@ class VerifyResult:
                 what += f" ({self.lora_tensors} changed by the LoRAs fused at conversion, not compared)"
             if self.quantize_scales:
                 what += f" ({self.quantize_scales} scales computed at conversion, not compared)"
-        if self.ok:
-            return f"OK {self.checkpoint}: {what}"
-        return f"FAILED {self.checkpoint}: {plural(len(self.problems), 'problem')}; checked {what}; {FIX}"
+        return verdict(self.checkpoint, self.problems, what)
 
     def report_lines(self, limit: int = MAX_SHOWN) -> list[str]:
-        lines = list(self.problems[:limit])
-        if len(self.problems) > limit:
-            lines.append(f"... and {len(self.problems) - limit} more")
-        return lines
+        return shown_problems(self.problems, limit)
 
     def to_dict(self) -> dict:
         return {
@@ -469,15 +479,10 @@ class PipelineVerifyResult:
             f"pipeline of {plural(len(self.components), 'component')} ({', '.join(parts)}); "
             f"{plural(self.files, 'file')} of the record ({human_bytes(self.bytes_hashed)} hashed)"
         )
-        if self.ok:
-            return f"OK {self.checkpoint}: {what}"
-        return f"FAILED {self.checkpoint}: {plural(len(self.problems), 'problem')}; checked {what}; {FIX}"
+        return verdict(self.checkpoint, self.problems, what)
 
     def report_lines(self, limit: int = MAX_SHOWN) -> list[str]:
-        lines = list(self.problems[:limit])
-        if len(self.problems) > limit:
-            lines.append(f"... and {len(self.problems) - limit} more")
-        return lines
+        return shown_problems(self.problems, limit)
 
     def to_dict(self) -> dict:
         return {
